@@ -1,0 +1,116 @@
+"""The public entry point :func:`sparse_mla`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import custom_ops  # noqa: F401  (registers torch.ops.mla_inductor.*)
+from .validation import INDEX_DTYPES
+
+
+def _check(cond, message: str) -> None:
+    torch._check(cond, lambda: f"sparse_mla: {message}")
+
+
+def _squeeze_kv_heads(kv: Tensor, rank: int) -> Tensor:
+    if kv.dim() == rank + 1:
+        _check(kv.shape[-2] == 1, f"kv must have one latent head (MQA), got shape {tuple(kv.shape)}")
+        return kv.squeeze(-2)
+    _check(kv.dim() == rank, f"kv has rank {kv.dim()}; expected {rank} or {rank + 1}")
+    return kv
+
+
+def _squeeze_index_heads(indices: Tensor, rank: int, heads) -> Tensor:
+    if indices.dim() == rank + 1:
+        _check(
+            indices.shape[-2] == 1,
+            f"indices must have one index set per token shared by all {heads} query heads "
+            f"([T, 1, topk]), got shape {tuple(indices.shape)}",
+        )
+        return indices.squeeze(-2)
+    _check(indices.dim() == rank, f"indices has rank {indices.dim()}; expected {rank} or {rank + 1}")
+    return indices
+
+
+def sparse_mla(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    *,
+    sm_scale: Optional[float] = None,
+    d_v: int = 512,
+    topk_length: Optional[Tensor] = None,
+    rescale_threshold: Optional[float] = None,
+    return_lse: bool = False,
+):
+    """Sparse MLA attention (DeepSeek Sparse Attention, absorbed MLA form, MQA).
+
+    For each token ``t`` and head ``h``: ``softmax_j(sm_scale * q[t, h] . kv[indices[t, j], :d_qk])``
+    applied to the values ``kv[indices[t, j], :d_v]`` (key and value share the latent row).
+
+    Args:
+        q: ``[T, H, d_qk]`` or batched ``[B, T, H, d_qk]``; bfloat16 or float16 (float32 on the
+            reference backend).
+        kv: ``[S, d_qk]`` or ``[S, 1, d_qk]``; batched ``[B, S, d_qk]`` or ``[B, S, 1, d_qk]``.
+            Same dtype as q.
+        indices: ``[T, topk]`` or ``[T, 1, topk]``; batched ``[B, T, topk]`` with indices local to
+            each batch element. int32 (int64 accepted). An index < 0 or >= S is an empty slot:
+            never read, contributes nothing. Duplicates count once per occurrence.
+        sm_scale: softmax scale; defaults to ``d_qk ** -0.5``.
+        d_v: value width, ``<= d_qk`` (512 for DeepSeek V3.2, d_qk = 576).
+        topk_length: optional int32 ``[T]`` (batched ``[B, T]``); slots at positions
+            ``>= topk_length[t]`` are empty.
+        rescale_threshold: online-softmax lazy-rescale threshold in log2 units. ``None`` (the
+            default) lets :mod:`mla_inductor.policy` decide at graph capture: 0.0 (exact running
+            max) when a backward consumes the forward, 8.0 otherwise.
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        ``out [.., T, H, d_v]`` in q's dtype; with ``return_lse`` also ``lse [.., T, H]`` float32,
+        natural log of the softmax denominator of ``sm_scale * q.k`` (not differentiable). A row
+        with no valid slot gives ``out = 0``, ``lse = -inf`` and zero gradients.
+
+    Raises:
+        RuntimeError: wrong ranks, mismatched d_qk, ``d_v > d_qk``, a T or head mismatch between
+            q and indices, non-integer indices, mixed devices or an unsupported dtype (the same
+            messages at trace time under ``torch.compile``); a forced backend that cannot run here.
+    """
+    _check(q.dim() in (3, 4), f"q must be [T, H, d_qk] or [B, T, H, d_qk], got shape {tuple(q.shape)}")
+    _check(
+        indices.dtype in INDEX_DTYPES,
+        f"indices must be an integer tensor (int32 or int64), got {indices.dtype}",
+    )
+    d_qk = q.shape[-1]
+    if sm_scale is None:
+        sm_scale = d_qk**-0.5
+    batched = q.dim() == 4
+    rank = 3 if batched else 2
+    kv = _squeeze_kv_heads(kv, rank)
+    indices = _squeeze_index_heads(indices, rank, q.shape[-2])
+    S = kv.shape[-2]
+    if indices.dtype == torch.int64 or batched:
+        # Map invalid slots to -1 first: an int64 index >= 2**31 must not wrap into a valid row,
+        # and a batch element's index >= S must not land in the next element.
+        indices = torch.where((indices >= 0) & (indices < S), indices, -1)
+    if batched:
+        B, T = q.shape[0], q.shape[1]
+        _check(indices.shape[0] == B and kv.shape[0] == B, "batch size differs between q, kv, indices")
+        _check(indices.shape[1] == T, f"token count mismatch: q has T={T}, indices has T={indices.shape[1]}")
+        offsets = (torch.arange(B, device=indices.device, dtype=indices.dtype) * S).view(B, 1, 1)
+        indices = torch.where(indices >= 0, indices + offsets, -1)
+        q = q.reshape(B * T, q.shape[2], d_qk)
+        kv = kv.reshape(B * S, d_qk)
+        indices = indices.reshape(B * T, indices.shape[-1])
+        if topk_length is not None:
+            topk_length = topk_length.reshape(B * T)
+    indices = indices.to(torch.int32)
+    out, lse = torch.ops.mla_inductor.sparse_mla(
+        q, kv, indices, topk_length, float(sm_scale), d_v, rescale_threshold
+    )
+    if batched:
+        out = out.view(B, T, *out.shape[1:])
+        lse = lse.view(B, T, lse.shape[-1])
+    return (out, lse) if return_lse else out

@@ -1,0 +1,110 @@
+"""Backend table and selection.
+
+Names: ``auto`` (default: the fastest backend that runs on the tensors' device), ``reference``
+(PyTorch, any device), ``emulate`` (the GPU kernels' online-softmax arithmetic in PyTorch, any
+device), ``sm90`` (our Hopper CuTe DSL kernels), ``sm100`` (FlashAttention-4's Blackwell kernels).
+
+The choice comes from :func:`use_backend` (innermost wins) or else the environment variable
+``MLA_INDUCTOR_BACKEND``, read at call time. Under ``torch.compile`` the choice is made when the
+compiled code runs, not when it is traced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import os
+import warnings
+from types import ModuleType
+
+import torch
+
+NAMES = ("auto", "reference", "emulate", "sm90", "sm100")
+ENV_VAR = "MLA_INDUCTOR_BACKEND"
+
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "mla_inductor_backend", default=None
+)
+_warned: set[tuple[int, int]] = set()
+
+
+def _check_name(name: str) -> str:
+    if name not in NAMES:
+        raise ValueError(f"unknown mla_inductor backend {name!r}; choose one of {', '.join(NAMES)}")
+    return name
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Context manager selecting the backend for the sparse-MLA ops run inside it.
+
+    Args:
+        name: one of ``auto``, ``reference``, ``emulate``, ``sm90``, ``sm100``.
+
+    Raises:
+        ValueError: for an unknown name. A known backend that cannot run on the tensors' device
+            raises ``RuntimeError`` (naming what is missing) when an op runs.
+    """
+    token = _override.set(_check_name(name))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def requested() -> str:
+    """The backend name in force: the innermost :func:`use_backend`, else the environment."""
+    name = _override.get()
+    if name is None:
+        name = os.environ.get(ENV_VAR, "auto").strip() or "auto"
+    return _check_name(name)
+
+
+def module(name: str) -> ModuleType:
+    """The kernel module of a backend (``mla_inductor.kernels.<name>``)."""
+    return importlib.import_module(f"mla_inductor.kernels.{_check_name(name)}")
+
+
+def _auto(device: torch.device, dtype: torch.dtype, direction: str) -> ModuleType:
+    if device.type != "cuda" or dtype == torch.float32:
+        return module("reference")
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = "sm90" if (major, minor) == (9, 0) else "sm100" if major == 10 else None
+    if arch is not None:
+        candidate = module(arch)
+        if hasattr(candidate, direction) and candidate.available()[0]:
+            return candidate
+    if arch is None and (major, minor) not in _warned:
+        _warned.add((major, minor))
+        warnings.warn(
+            f"mla_inductor: no sparse-MLA kernel for compute capability {major}.{minor}; "
+            "falling back to the PyTorch reference backend (slow)",
+            stacklevel=3,
+        )
+    return module("reference")
+
+
+def select(device: torch.device, dtype: torch.dtype, direction: str) -> ModuleType:
+    """The backend module that runs ``direction`` (``"forward"`` or ``"backward"``).
+
+    Raises:
+        RuntimeError: when the requested backend cannot run here; the message names what is
+            missing.
+    """
+    name = requested()
+    if name == "auto":
+        return _auto(device, dtype, direction)
+    chosen = module(name)
+    ok, reason = chosen.available()
+    if ok and name in ("sm90", "sm100") and device.type != "cuda":
+        ok, reason = False, f"the tensors are on {device.type}, not on a CUDA device"
+    if ok and name in ("sm90", "sm100") and dtype == torch.float32:
+        ok, reason = False, "float32 runs on the reference backend only; use bfloat16 or float16"
+    if not ok:
+        raise RuntimeError(f"mla_inductor backend {name!r} cannot run here: {reason}")
+    if not hasattr(chosen, direction):
+        # A kernel backend without its own backward pairs with the reference backward, which
+        # consumes the same (out, lse, o_lo).
+        return module("reference")
+    return chosen

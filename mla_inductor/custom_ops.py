@@ -1,0 +1,152 @@
+"""The sparse-MLA ops in ``torch.ops.mla_inductor``: schemas, fake kernels, autograd wiring.
+
+- ``sparse_mla(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold) -> (out, lse)``:
+  the entry op, CompositeImplicitAutograd. Dynamo keeps it as one node; AOTAutograd (and eager)
+  decompose it, resolving ``rescale_threshold=None`` through :mod:`mla_inductor.policy` while the
+  training or the inference graph is traced, into
+- ``sparse_mla_fwd(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo)
+  -> (out, lse, o_lo)`` and its autograd partner
+- ``sparse_mla_bwd(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v) -> (dq, dkv)``.
+
+Canonical layouts (the public :func:`mla_inductor.sparse_mla` converts to them): ``q [T, H, d_qk]``,
+``kv [S, d_qk]``, ``indices [T, topk]`` int32, ``topk_length [T]`` int32 or None; outputs are
+contiguous: ``out [T, H, d_v]`` (q's dtype), ``lse [T, H]`` float32 natural log,
+``o_lo [T, H, d_v]`` float32 or empty, ``dq`` like q, ``dkv [S, d_qk]`` in kv's dtype.
+``lse`` and ``o_lo`` are not differentiable.
+
+The bodies dispatch through :mod:`mla_inductor.backends`; this module holds no kernel code.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import backends, policy
+from .validation import check_backward_inputs, check_forward_inputs
+
+_LAYOUT = (torch.Tag.needs_contiguous_strides,)
+
+
+def _empty_o_lo(q: Tensor, return_o_lo: bool, d_v: int) -> Tensor:
+    shape = (q.shape[0], q.shape[1], d_v) if return_o_lo else (0,)
+    return q.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("mla_inductor::sparse_mla_fwd", mutates_args=(), tags=_LAYOUT)
+def sparse_mla_fwd(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    topk_length: Optional[Tensor],
+    sm_scale: float,
+    d_v: int,
+    rescale_threshold: float,
+    return_o_lo: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    check_forward_inputs(q, kv, indices, topk_length, d_v)
+    backend = backends.select(q.device, q.dtype, "forward")
+    return backend.forward(
+        q.contiguous(),
+        kv.contiguous(),
+        indices.contiguous(),
+        None if topk_length is None else topk_length.contiguous(),
+        sm_scale,
+        d_v,
+        rescale_threshold,
+        return_o_lo,
+    )
+
+
+@sparse_mla_fwd.register_fake
+def _(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo):
+    check_forward_inputs(q, kv, indices, topk_length, d_v)
+    out = q.new_empty((q.shape[0], q.shape[1], d_v))
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    return out, lse, _empty_o_lo(q, return_o_lo, d_v)
+
+
+@torch.library.custom_op("mla_inductor::sparse_mla_bwd", mutates_args=(), tags=_LAYOUT)
+def sparse_mla_bwd(
+    dout: Tensor,
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    topk_length: Optional[Tensor],
+    out: Tensor,
+    lse: Tensor,
+    o_lo: Tensor,
+    sm_scale: float,
+    d_v: int,
+) -> tuple[Tensor, Tensor]:
+    check_backward_inputs(dout, q, kv, indices, topk_length, out, lse, o_lo, d_v)
+    backend = backends.select(q.device, q.dtype, "backward")
+    return backend.backward(
+        dout.contiguous(),
+        q.contiguous(),
+        kv.contiguous(),
+        indices.contiguous(),
+        None if topk_length is None else topk_length.contiguous(),
+        out.contiguous(),
+        lse.contiguous(),
+        o_lo.contiguous(),
+        sm_scale,
+        d_v,
+    )
+
+
+@sparse_mla_bwd.register_fake
+def _(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
+    check_backward_inputs(dout, q, kv, indices, topk_length, out, lse, o_lo, d_v)
+    dq = q.new_empty(q.shape)
+    dkv = kv.new_empty(kv.shape)
+    return dq, dkv
+
+
+def _setup_context(ctx, inputs, output):
+    q, kv, indices, topk_length, sm_scale, d_v, _threshold, _return_o_lo = inputs
+    out, lse, o_lo = output
+    ctx.mark_non_differentiable(lse, o_lo)
+    ctx.save_for_backward(q, kv, indices, topk_length, out, lse, o_lo)
+    ctx.sm_scale = sm_scale
+    ctx.d_v = d_v
+
+
+def _backward(ctx, dout, _dlse, _do_lo):
+    q, kv, indices, topk_length, out, lse, o_lo = ctx.saved_tensors
+    dq, dkv = sparse_mla_bwd(
+        dout.contiguous(), q, kv, indices, topk_length, out, lse, o_lo, ctx.sm_scale, ctx.d_v
+    )
+    return dq, dkv, None, None, None, None, None, None
+
+
+sparse_mla_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# The entry op. Its CompositeImplicitAutograd body runs in eager and while AOTAutograd traces,
+# which is where the threshold policy can see whether a backward graph exists.
+_lib = torch.library.Library("mla_inductor", "FRAGMENT")
+_lib.define(
+    "sparse_mla(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, float sm_scale, "
+    "int d_v, float? rescale_threshold) -> (Tensor, Tensor)"
+)
+
+
+def _sparse_mla(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold):
+    decision = policy.decide(q, kv, rescale_threshold)
+    out, lse, _ = torch.ops.mla_inductor.sparse_mla_fwd(
+        q,
+        kv,
+        indices,
+        topk_length,
+        sm_scale,
+        d_v,
+        decision.rescale_threshold,
+        decision.needs_backward,
+    )
+    return out, lse
+
+
+_lib.impl("sparse_mla", _sparse_mla, "CompositeImplicitAutograd")

@@ -1,0 +1,29 @@
+"""Sparse-MLA kernel backends.
+
+Every backend module (``reference``, ``emulate``, ``sm90``, ``sm100``) exposes the same surface,
+so that :mod:`mla_inductor.backends` dispatches by table lookup and tests parametrise over
+backends:
+
+``available() -> tuple[bool, str]``
+    Whether the backend can run here; the string says what is missing when it cannot.
+
+``forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo)
+-> (out, lse, o_lo)``
+    ``q [T, H, d_qk]`` (bf16/fp16; fp32 on the reference path), last dim contiguous;
+    ``kv [S, d_qk]`` same dtype, last dim contiguous; ``indices [T, topk]`` int32 contiguous
+    (any value < 0 or >= S is an empty slot); ``topk_length [T]`` int32 or ``None`` (slots at
+    positions >= topk_length[t] are empty). ``sm_scale`` float, ``d_v <= d_qk`` int,
+    ``rescale_threshold`` float in log2 units (0.0 = exact running max), ``return_o_lo`` bool.
+    Returns contiguous ``out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` float32 natural log
+    (-inf for a row with no valid slot, whose out is 0) and ``o_lo = float32(O) - out``
+    ``[T, H, d_v]`` float32 when ``return_o_lo`` else ``q.new_empty(0, dtype=float32)``.
+
+``backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v) -> (dq, dkv)``
+    ``dout [T, H, d_v]``, ``out``/``lse``/``o_lo`` as returned by ``forward`` (``o_lo`` may be
+    empty). ``dpsum = rowsum(dout * (out + o_lo))`` in fp32 (``rowsum(dout * out)`` without
+    o_lo). Returns contiguous ``dq [T, H, d_qk]`` in q's dtype and ``dkv [S, d_qk]`` in kv's
+    dtype (fp32 accumulation; empty slots never written).
+
+``precompile(arch, **static_config)`` (GPU backends only)
+    Compiles kernels without a GPU (``CUTE_DSL_ARCH``) and returns the compiled artefacts.
+"""

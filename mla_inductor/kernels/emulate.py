@@ -1,0 +1,144 @@
+"""Emulate backend: the online softmax of a flash-style sparse-MLA kernel, on any device.
+
+This module reproduces the *arithmetic* (not the speed) of the GPU forward kernels, so that their
+rounding behaviour can be measured and tested on a CPU (see :mod:`mla_inductor.numerics`):
+
+1. The gathered top-k slots are cut into blocks of ``block_n`` (default 64) keys; ``topk`` is
+   padded up to a multiple of ``block_n`` with empty slots. Blocks are processed from the
+   **last to the first**, as the kernels walk them (FA4 ``flash_fwd_mla_sm100.py``:
+   ``n_block = n_block_max - 1; ... n_block -= 1``), so slot 0 is processed last.
+2. Scores ``s = q · k`` are accumulated in fp32 from the low-precision inputs and scaled into the
+   exp2 domain: ``s * sm_scale * log2(e)``. Empty slots score ``-inf``.
+3. Running row max ``m`` per (token, head) with FA4's lazy-rescale rule (FA4
+   ``flash_attn/cute/softmax.py``, ``SoftmaxSm100.update_row_max``; summarised in
+   ``../shared/docs/seed-notes.md``): with ``m_new = max(m_old, block max)``, the max is moved and
+   O / row_sum are rescaled by ``acc_scale = exp2(m_old - m_new)`` only when
+   ``m_new - m_old > rescale_threshold`` (log2 units); otherwise the stale ``m_old`` is kept and
+   the block's ``p`` can reach ``2**rescale_threshold``. ``rescale_threshold = 0.0`` is the exact
+   running max: any growth rescales and the row's largest key gets ``p = 1.0`` exactly.
+4. ``p = exp2(s - m)`` in fp32; ``row_sum = row_sum * acc_scale + sum(p)`` from the fp32 ``p``;
+   ``p`` is rounded to q's dtype (the P·V MMA operand) and ``O = O * acc_scale + p · V`` is
+   accumulated in fp32.
+5. ``out = O * (1 / row_sum)`` rounded to q's dtype; ``lse = (m + log2(row_sum)) * ln(2)``
+   (natural log); ``o_lo = float32(O / row_sum) - out``.
+
+Initial running max: ``-inf`` (FlashMLA starts at ``-1e30``, FA4 sets the first block's max
+directly). Where the max is still ``-inf`` (no valid slot seen yet) the exponent is taken against
+0 instead, as FA4's ``row_max_safe`` does, so ``p = exp2(-inf) = 0`` and no NaN arises; a row with
+no valid slot at all ends with ``row_sum = 0``, ``out = 0`` and ``lse = -inf``.
+
+Empty slots (index < 0, index >= S, or position >= ``topk_length[t]``) are redirected to row 0
+before the gather (never an out-of-range read) and masked to ``-inf``. Tokens and heads are
+vectorised; tokens are processed in chunks to bound memory.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from mla_inductor.kernels import reference
+
+BLOCK_N = 64
+_CHUNK_ELEMENTS = 1 << 23  # fp32 elements alive per token chunk (32 MiB)
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+def available() -> tuple[bool, str]:
+    return True, ""
+
+
+def _valid_padded(
+    indices: torch.Tensor, topk_length: Optional[torch.Tensor], S: int, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices with empty slots redirected to row 0 and the validity mask, both padded with empty
+    slots up to a multiple of ``block_n``: ``([T, n_blocks * block_n] int64, same shape bool)``."""
+    T, topk = indices.shape
+    pos = torch.arange(topk, device=indices.device)
+    valid = (indices >= 0) & (indices < S)
+    if topk_length is not None:
+        valid &= pos < topk_length[:, None]
+    pad = -topk % block_n
+    valid = torch.nn.functional.pad(valid, (0, pad), value=False)
+    safe = torch.nn.functional.pad(indices.long(), (0, pad), value=0)
+    return torch.where(valid, safe, torch.zeros_like(safe)), valid
+
+
+def forward(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    topk_length: Optional[torch.Tensor],
+    sm_scale: float,
+    d_v: int,
+    rescale_threshold: float,
+    return_o_lo: bool,
+    *,
+    block_n: int = BLOCK_N,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel-faithful sparse-MLA forward; see the module docstring for the arithmetic and
+    :mod:`mla_inductor.kernels` for the protocol (shapes, dtypes, outputs).
+
+    Args:
+        block_n: keys per block of the online softmax (64 for the SM90 kernels; FA4's SM100
+            kernel uses 128).
+
+    Raises:
+        ValueError: if ``block_n < 1`` or ``rescale_threshold < 0``.
+    """
+    if block_n < 1:
+        raise ValueError(f"block_n must be >= 1, got {block_n}")
+    if rescale_threshold < 0:
+        raise ValueError(f"rescale_threshold must be >= 0 (log2 units), got {rescale_threshold}")
+    T, H, d_qk = q.shape
+    S = kv.shape[0]
+    out = q.new_zeros((T, H, d_v))
+    lse = q.new_full((T, H), -math.inf, dtype=torch.float32)
+    o_lo = q.new_zeros((T, H, d_v) if return_o_lo else (0,), dtype=torch.float32)
+    if S == 0 or T == 0:
+        return out, lse, o_lo
+    safe, valid = _valid_padded(indices, topk_length, S, block_n)
+    n_blocks = safe.shape[1] // block_n
+    scale_log2 = sm_scale * _LOG2E
+    per_token = H * (d_v + 3 * block_n) + block_n * d_qk
+    step = max(1, _CHUNK_ELEMENTS // per_token)
+    for t0 in range(0, T, step):
+        t1 = min(T, t0 + step)
+        q_c = q[t0:t1].float()
+        m = q_c.new_full((t1 - t0, H), -math.inf)
+        row_sum = q_c.new_zeros((t1 - t0, H))
+        acc = q_c.new_zeros((t1 - t0, H, d_v))
+        for b in reversed(range(n_blocks)):
+            cols = slice(b * block_n, (b + 1) * block_n)
+            idx_b, valid_b = safe[t0:t1, cols], valid[t0:t1, cols]
+            rows = kv.index_select(0, idx_b.reshape(-1)).reshape(t1 - t0, block_n, d_qk).float()
+            s = torch.bmm(q_c, rows.transpose(1, 2)) * scale_log2
+            s.masked_fill_(~valid_b[:, None, :], -math.inf)
+            m_cand = torch.maximum(m, s.amax(dim=-1))
+            # NaN (both -inf) compares False: the max stays -inf.
+            moved = (m_cand - m) > rescale_threshold
+            m_new = torch.where(moved, m_cand, m)
+            m_safe = torch.where(m_new == -math.inf, 0.0, m_new)
+            acc_scale = torch.exp2(m - m_safe)  # 1 when kept; 0 while nothing was accumulated
+            p = torch.exp2(s - m_safe[..., None])
+            row_sum = row_sum * acc_scale + p.sum(dim=-1)
+            p_lp = p.to(q.dtype).float()
+            acc = acc * acc_scale[..., None] + torch.bmm(p_lp, rows[..., :d_v])
+            m = m_new
+        has_rows = row_sum > 0
+        inv = torch.where(has_rows, 1.0 / row_sum, 0.0)
+        o = acc * inv[..., None]
+        out[t0:t1] = o.to(q.dtype)
+        lse[t0:t1] = torch.where(has_rows, (m + torch.log2(row_sum)) * _LN2, -math.inf)
+        if return_o_lo:
+            o_lo[t0:t1] = o - out[t0:t1].float()
+    return out, lse, o_lo
+
+
+def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
+    """The reference backward (:func:`mla_inductor.kernels.reference.backward`): the emulator
+    models the forward's rounding only; the backward consumes its ``out``, ``lse`` and ``o_lo``."""
+    return reference.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)

@@ -1,0 +1,117 @@
+"""Input checks shared by the fake kernels and the real implementations of the ops.
+
+Every check is a ``torch._check`` with a readable message, so the same error appears at trace
+time under ``torch.compile`` (raised by the fake kernel) and at run time (raised by the op body).
+The checks read only shapes, dtypes and devices, never tensor data, so they work on FakeTensors
+and symbolic sizes without specialising them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check(cond, message: str) -> None:
+    torch._check(cond, lambda: f"sparse_mla: {message}")
+
+
+def check_forward_inputs(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    topk_length: Optional[torch.Tensor],
+    d_v: int,
+) -> None:
+    """Checks the canonical op inputs ``q [T, H, d_qk]``, ``kv [S, d_qk]``, ``indices [T, topk]``.
+
+    Raises:
+        RuntimeError: on a wrong rank, mismatched d_qk, ``d_v > d_qk`` or ``d_v < 1``, a token
+            count that differs between q and indices, non-int32 indices, a bad ``topk_length``,
+            an unsupported dtype, or tensors on different devices.
+    """
+    _check(q.dim() == 3, f"q must be [T, H, d_qk] (or [B, T, H, d_qk]), got shape {tuple(q.shape)}")
+    _check(kv.dim() == 2, f"kv must be [S, d_qk] (or [S, 1, d_qk]), got shape {tuple(kv.shape)}")
+    _check(
+        indices.dim() == 2,
+        f"indices must be [T, topk] (or [T, 1, topk]), got shape {tuple(indices.shape)}",
+    )
+    _check(
+        q.dtype in SUPPORTED_DTYPES,
+        f"q has unsupported dtype {q.dtype}; use bfloat16, float16 (or float32 on the reference path)",
+    )
+    _check(kv.dtype == q.dtype, f"kv dtype {kv.dtype} differs from q dtype {q.dtype}")
+    _check(
+        indices.dtype == torch.int32,
+        f"indices must be int32 (int64 is accepted by mla_inductor.sparse_mla), got {indices.dtype}",
+    )
+    _check(
+        q.shape[-1] == kv.shape[-1],
+        f"mismatched d_qk: q has {q.shape[-1]}, kv has {kv.shape[-1]}",
+    )
+    _check(1 <= d_v, f"d_v must be >= 1, got {d_v}")
+    _check(d_v <= q.shape[-1], f"d_v ({d_v}) must be <= d_qk ({q.shape[-1]})")
+    _check(
+        indices.shape[0] == q.shape[0],
+        f"token count mismatch: q has T={q.shape[0]}, indices has T={indices.shape[0]}",
+    )
+    _check(indices.shape[1] >= 1, "indices must have topk >= 1 slots")
+    _check(
+        kv.device == q.device and indices.device == q.device,
+        f"tensors on different devices: q {q.device}, kv {kv.device}, indices {indices.device}",
+    )
+    if topk_length is not None:
+        _check(
+            topk_length.dim() == 1 and topk_length.shape[0] == q.shape[0],
+            f"topk_length must be [T] = [{q.shape[0]}], got shape {tuple(topk_length.shape)}",
+        )
+        _check(
+            topk_length.dtype == torch.int32,
+            f"topk_length must be int32, got {topk_length.dtype}",
+        )
+        _check(
+            topk_length.device == q.device,
+            f"topk_length on {topk_length.device}, q on {q.device}",
+        )
+
+
+def check_backward_inputs(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    topk_length: Optional[torch.Tensor],
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    o_lo: torch.Tensor,
+    d_v: int,
+) -> None:
+    """Checks the backward op's inputs: the forward's inputs plus ``dout``/``out`` ``[T, H, d_v]``,
+    ``lse [T, H]`` float32 and ``o_lo`` (``[T, H, d_v]`` float32, or empty).
+
+    Raises:
+        RuntimeError: as :func:`check_forward_inputs`, or when dout/out/lse/o_lo do not match.
+    """
+    check_forward_inputs(q, kv, indices, topk_length, d_v)
+    expected = (q.shape[0], q.shape[1], d_v)
+    for name, t in (("dout", dout), ("out", out)):
+        _check(
+            t.dim() == 3 and t.shape == expected,
+            f"{name} must be [T, H, d_v] = {expected}, got shape {tuple(t.shape)}",
+        )
+        _check(t.dtype == q.dtype, f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
+        _check(t.device == q.device, f"{name} on {t.device}, q on {q.device}")
+    _check(
+        lse.dim() == 2 and lse.shape == expected[:2],
+        f"lse must be [T, H] = {expected[:2]}, got shape {tuple(lse.shape)}",
+    )
+    _check(lse.dtype == torch.float32, f"lse must be float32, got {lse.dtype}")
+    _check(o_lo.dtype == torch.float32, f"o_lo must be float32, got {o_lo.dtype}")
+    _check(
+        o_lo.numel() == 0 or (o_lo.dim() == 3 and o_lo.shape == expected),
+        f"o_lo must be empty or [T, H, d_v] = {expected}, got shape {tuple(o_lo.shape)}",
+    )

@@ -1,0 +1,58 @@
+"""Shared test helpers: an independent dense fp64 reference and input builders."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+
+def reference_sparse_mla_fp64(q, kv, indices, topk_length=None, sm_scale=None, d_v=512):
+    """Dense fp64 sparse MLA, written independently of the package (autograd-differentiable).
+
+    ``q [T, H, d_qk]``, ``kv [S, d_qk]``, ``indices [T, topk]`` (any integer dtype; < 0 or >= S
+    is an empty slot), ``topk_length [T]`` or None. Returns ``(out [T, H, d_v], lse [T, H])`` in
+    float64, lse natural log; rows with no valid slot give out 0 and lse -inf.
+    """
+    T, H, d_qk = q.shape
+    S = kv.shape[0]
+    if sm_scale is None:
+        sm_scale = d_qk**-0.5
+    q64, kv64 = q.double(), kv.double()
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < S)
+    if topk_length is not None:
+        valid &= torch.arange(idx.shape[1], device=idx.device)[None, :] < topk_length.long()[:, None]
+    # One-hot selection matrix [T, topk, S] keeps the reference free of gathers.
+    onehot = torch.zeros(T, idx.shape[1], S, dtype=torch.float64, device=q.device)
+    rows = torch.where(valid, idx, 0)
+    onehot.scatter_(2, rows[..., None], valid[..., None].double())
+    keys = onehot @ kv64  # [T, topk, d_qk]
+    s = torch.einsum("thd,tkd->thk", q64, keys) * sm_scale
+    s = s.masked_fill(~valid[:, None, :], -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("thk,tkd->thd", p, keys[..., :d_v])
+    return out, lse
+
+
+def rel_l2(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+@pytest.fixture
+def fp64_reference():
+    return reference_sparse_mla_fp64
+
+
+def random_inputs(T, H, d_qk, S, topk, dtype=torch.bfloat16, device="cpu", seed=0, invalid_frac=0.0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(T, H, d_qk, generator=g).to(device=device, dtype=dtype)
+    kv = torch.randn(S, d_qk, generator=g).to(device=device, dtype=dtype)
+    indices = torch.randint(0, S, (T, topk), generator=g, dtype=torch.int32)
+    if invalid_frac > 0:
+        drop = torch.rand(T, topk, generator=g) < invalid_frac
+        indices = torch.where(drop, -1, indices)
+    return q, kv, indices.to(device)
