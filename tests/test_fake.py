@@ -1,0 +1,93 @@
+"""Fake kernels: output metadata, and the readable error for each bad input, at trace time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import mla_inductor  # noqa: F401
+from mla_inductor import sparse_mla
+
+fwd = torch.ops.mla_inductor.sparse_mla_fwd
+bwd = torch.ops.mla_inductor.sparse_mla_bwd
+
+
+def _good(T=6, H=4, d_qk=32, S=10, topk=5, dtype=torch.bfloat16):
+    return (
+        torch.randn(T, H, d_qk, dtype=dtype),
+        torch.randn(S, d_qk, dtype=dtype),
+        torch.randint(-1, S, (T, topk), dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize("return_o_lo", [False, True])
+def test_fake_outputs_match_real_metadata(return_o_lo):
+    q, kv, idx = _good()
+    real = fwd(q, kv, idx, None, 0.2, 16, 0.0, return_o_lo)
+    dreal = bwd(torch.randn_like(real[0]), q, kv, idx, None, *real, 0.2, 16)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fkv, fidx = (mode.from_tensor(t) for t in (q, kv, idx))
+        fake = fwd(fq, fkv, fidx, None, 0.2, 16, 0.0, return_o_lo)
+        dfake = bwd(torch.empty_like(fake[0]), fq, fkv, fidx, None, *fake, 0.2, 16)
+    for r, f in zip(real + dreal, fake + dfake):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+    assert fake[2].shape == ((6, 4, 16) if return_o_lo else (0,))
+
+
+def _bad_inputs():
+    q, kv, idx = _good()
+    return {
+        "q rank": ((q[0], kv, idx), {}, "q must be"),
+        "kv rank": ((q, kv[None, None], idx), {}, "kv has rank"),
+        "indices rank": ((q, kv, idx[None, None]), {}, "indices has rank"),
+        "kv heads": ((q, torch.stack([kv, kv], 1), idx), {}, "one latent head"),
+        "index heads": ((q, kv, idx[:, None].expand(6, 4, 5)), {}, "shared by all 4 query heads"),
+        "d_qk": ((q, kv[:, :16], idx), {}, "mismatched d_qk"),
+        "d_v > d_qk": ((q, kv, idx), {"d_v": 64}, "d_v (64) must be <= d_qk (32)"),
+        "T mismatch": ((q, kv, idx[:4]), {}, "token count mismatch"),
+        "float indices": ((q, kv, idx.float()), {}, "indices must be an integer tensor"),
+        "int16 indices": ((q, kv, idx.short()), {}, "indices must be an integer tensor"),
+        "dtype": ((q.to(torch.float64), kv.to(torch.float64), idx), {}, "unsupported dtype"),
+        "kv dtype": ((q, kv.half(), idx), {}, "kv dtype"),
+        "topk_length shape": ((q, kv, idx), {"topk_length": torch.zeros(5, dtype=torch.int32)}, "topk_length must be [T]"),
+        "topk_length dtype": ((q, kv, idx), {"topk_length": torch.zeros(6)}, "topk_length must be int32"),
+        "devices": ((q, kv.to("meta"), idx), {}, "different devices"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_inputs()))
+def test_bad_input_raises_in_eager(case):
+    args, kwargs, message = _bad_inputs()[case]
+    with pytest.raises(RuntimeError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        sparse_mla(*args, d_v=kwargs.pop("d_v", 16), **kwargs)
+
+
+@pytest.mark.parametrize("case", [c for c in _bad_inputs() if c != "devices"])
+def test_bad_input_raises_at_trace_time(case):
+    """Under torch.compile the same message surfaces while tracing, before any kernel runs."""
+    args, kwargs, message = _bad_inputs()[case]
+    ran = []
+
+    def f(*a):
+        ran.append(1)
+        return sparse_mla(*a, d_v=kwargs.get("d_v", 16), topk_length=kwargs.get("topk_length"))
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        torch.compile(f, backend="eager", fullgraph=True)(*args)
+
+
+def test_fake_kernel_checks_the_op_directly():
+    q, kv, idx = _good()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fkv = mode.from_tensor(q), mode.from_tensor(kv)
+        with pytest.raises(RuntimeError, match="indices must be int32"):
+            fwd(fq, fkv, mode.from_tensor(idx.long()), None, 0.1, 16, 0.0, False)
+        with pytest.raises(RuntimeError, match="lse must be float32"):
+            out = torch.empty(6, 4, 16, dtype=torch.bfloat16)
+            lse = torch.empty(6, 4, dtype=torch.bfloat16)
+            bwd(out, fq, fkv, mode.from_tensor(idx), None, out, lse, torch.empty(0), 0.1, 16)
+        with pytest.raises(RuntimeError, match="o_lo must be empty or"):
+            out = torch.empty(6, 4, 16, dtype=torch.bfloat16)
+            bwd(out, fq, fkv, mode.from_tensor(idx), None, out, torch.empty(6, 4), torch.empty(6, 4, 3), 0.1, 16)
