@@ -11,27 +11,31 @@ from . import custom_ops  # noqa: F401  (registers torch.ops.mla_inductor.*)
 from .validation import INDEX_DTYPES
 
 
-def _check(cond, message: str) -> None:
-    torch._check(cond, lambda: f"sparse_mla: {message}")
+def _require(cond: bool, message: str) -> None:
+    """A check on static properties (ranks, dtypes): a plain raise, which Dynamo traces as an
+    error at trace time. Symbolic sizes are checked with ``torch._check`` and constant messages,
+    here and in :mod:`mla_inductor.validation`."""
+    if not cond:
+        raise RuntimeError(f"sparse_mla: {message}")
 
 
 def _squeeze_kv_heads(kv: Tensor, rank: int) -> Tensor:
     if kv.dim() == rank + 1:
-        _check(kv.shape[-2] == 1, f"kv must have one latent head (MQA), got shape {tuple(kv.shape)}")
+        torch._check(kv.shape[-2] == 1, lambda: "sparse_mla: kv must have one latent head (MQA): [S, 1, d_qk]")
         return kv.squeeze(-2)
-    _check(kv.dim() == rank, f"kv has rank {kv.dim()}; expected {rank} or {rank + 1}")
+    _require(kv.dim() == rank, f"kv has rank {kv.dim()}; expected {rank} or {rank + 1}")
     return kv
 
 
-def _squeeze_index_heads(indices: Tensor, rank: int, heads) -> Tensor:
+def _squeeze_index_heads(indices: Tensor, rank: int) -> Tensor:
     if indices.dim() == rank + 1:
-        _check(
+        torch._check(
             indices.shape[-2] == 1,
-            f"indices must have one index set per token shared by all {heads} query heads "
-            f"([T, 1, topk]), got shape {tuple(indices.shape)}",
+            lambda: "sparse_mla: indices must have one index set per token shared by all query "
+            "heads ([T, 1, topk])",
         )
         return indices.squeeze(-2)
-    _check(indices.dim() == rank, f"indices has rank {indices.dim()}; expected {rank} or {rank + 1}")
+    _require(indices.dim() == rank, f"indices has rank {indices.dim()}; expected {rank} or {rank + 1}")
     return indices
 
 
@@ -78,8 +82,8 @@ def sparse_mla(
             q and indices, non-integer indices, mixed devices or an unsupported dtype (the same
             messages at trace time under ``torch.compile``); a forced backend that cannot run here.
     """
-    _check(q.dim() in (3, 4), f"q must be [T, H, d_qk] or [B, T, H, d_qk], got shape {tuple(q.shape)}")
-    _check(
+    _require(q.dim() in (3, 4), f"q must be [T, H, d_qk] or [B, T, H, d_qk], got rank {q.dim()}")
+    _require(
         indices.dtype in INDEX_DTYPES,
         f"indices must be an integer tensor (int32 or int64), got {indices.dtype}",
     )
@@ -89,7 +93,7 @@ def sparse_mla(
     batched = q.dim() == 4
     rank = 3 if batched else 2
     kv = _squeeze_kv_heads(kv, rank)
-    indices = _squeeze_index_heads(indices, rank, q.shape[-2])
+    indices = _squeeze_index_heads(indices, rank)
     S = kv.shape[-2]
     if indices.dtype == torch.int64 or batched:
         # Map invalid slots to -1 first: an int64 index >= 2**31 must not wrap into a valid row,
@@ -97,8 +101,14 @@ def sparse_mla(
         indices = torch.where((indices >= 0) & (indices < S), indices, -1)
     if batched:
         B, T = q.shape[0], q.shape[1]
-        _check(indices.shape[0] == B and kv.shape[0] == B, "batch size differs between q, kv, indices")
-        _check(indices.shape[1] == T, f"token count mismatch: q has T={T}, indices has T={indices.shape[1]}")
+        torch._check(
+            indices.shape[0] == B and kv.shape[0] == B,
+            lambda: "sparse_mla: batch size differs between q, kv and indices",
+        )
+        torch._check(
+            indices.shape[1] == T,
+            lambda: "sparse_mla: token count mismatch between q [B, T, H, d_qk] and indices [B, T, topk]",
+        )
         offsets = (torch.arange(B, device=indices.device, dtype=indices.dtype) * S).view(B, 1, 1)
         indices = torch.where(indices >= 0, indices + offsets, -1)
         q = q.reshape(B * T, q.shape[2], d_qk)

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, policy
+from . import backends, lowering, policy
 from .validation import check_backward_inputs, check_forward_inputs
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
@@ -63,6 +63,7 @@ def sparse_mla_fwd(
 @sparse_mla_fwd.register_fake
 def _(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo):
     check_forward_inputs(q, kv, indices, topk_length, d_v)
+    lowering.install()
     out = q.new_empty((q.shape[0], q.shape[1], d_v))
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
     return out, lse, _empty_o_lo(q, return_o_lo, d_v)
@@ -100,6 +101,7 @@ def sparse_mla_bwd(
 @sparse_mla_bwd.register_fake
 def _(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
     check_backward_inputs(dout, q, kv, indices, topk_length, out, lse, o_lo, d_v)
+    lowering.install()
     dq = q.new_empty(q.shape)
     dkv = kv.new_empty(kv.shape)
     return dq, dkv

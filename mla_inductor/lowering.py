@@ -1,5 +1,63 @@
-"""Inductor integration (placeholder; filled in below)."""
+"""Inductor integration of the sparse-MLA ops: explicit fallback lowerings with a layout rule.
+
+What inductor does with our ops (torch 2.9 to 2.13):
+- The entry op ``sparse_mla`` never reaches inductor: AOTAutograd decomposes it (that is where the
+  threshold policy runs), leaving ``sparse_mla_fwd`` / ``sparse_mla_bwd`` in the graphs.
+- Both ops carry ``torch.Tag.needs_contiguous_strides`` (a public tag, set in ``custom_ops.py``):
+  inductor then writes their tensor operands contiguously, fusing pointwise producers (a scale, a
+  transpose-copy, the int64 -> int32 index cast and the invalid-slot mask of
+  :func:`mla_inductor.sparse_mla`) into the one kernel it generates before the call, instead of
+  copying afterwards. The op body's ``.contiguous()`` is then a no-op.
+- The generated wrapper calls ``torch.ops.mla_inductor.sparse_mla_fwd.default(...)`` and
+  ``...sparse_mla_bwd.default(...)`` directly (an ``ExternKernel`` fallback), so our kernels run
+  unchanged inside compiled graphs and CUDA graphs.
+
+This module adds one thing on top, only on torch versions where it was tested: it registers those
+fallbacks explicitly (``make_fallback`` with ``require_contiguous``), so compiled graphs keep
+working when a user sets ``torch._inductor.config.implicit_fallbacks = False``. It is installed
+lazily, from the fake kernels, once inductor is already imported (importing inductor costs
+seconds, which eager users should not pay). Without it (other torch versions), the tag above
+gives the same generated code through inductor's implicit fallback.
+
+Tested: torch 2.13.0 (CPU) and 2.11.0 (CUDA, H200).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+TESTED_TORCH = ((2, 9), (2, 13))  # inclusive range of (major, minor)
+_installed = False
 
 
-def install() -> None:
-    return None
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def install() -> bool:
+    """Registers the explicit fallback lowerings if inductor is loaded and this torch was tested.
+
+    Returns:
+        Whether the lowerings are registered (now or earlier).
+    """
+    global _installed
+    if _installed:
+        return True
+    if "torch._inductor.lowering" not in sys.modules:
+        return False
+    low, high = TESTED_TORCH
+    if not low <= _torch_version() <= high:
+        return False
+    from torch._inductor.lowering import lowerings, make_fallback, require_contiguous
+
+    for op in (
+        torch.ops.mla_inductor.sparse_mla_fwd.default,
+        torch.ops.mla_inductor.sparse_mla_bwd.default,
+    ):
+        if op not in lowerings:
+            make_fallback(op, layout_constraint=require_contiguous, warn=False)
+    _installed = True
+    return True

@@ -42,7 +42,7 @@ def _bad_inputs():
         "kv rank": ((q, kv[None, None], idx), {}, "kv has rank"),
         "indices rank": ((q, kv, idx[None, None]), {}, "indices has rank"),
         "kv heads": ((q, torch.stack([kv, kv], 1), idx), {}, "one latent head"),
-        "index heads": ((q, kv, idx[:, None].expand(6, 4, 5)), {}, "shared by all 4 query heads"),
+        "index heads": ((q, kv, idx[:, None].expand(6, 4, 5)), {}, "shared by all query heads"),
         "d_qk": ((q, kv[:, :16], idx), {}, "mismatched d_qk"),
         "d_v > d_qk": ((q, kv, idx), {"d_v": 64}, "d_v (64) must be <= d_qk (32)"),
         "T mismatch": ((q, kv, idx[:4]), {}, "token count mismatch"),
