@@ -72,8 +72,11 @@ def _auto(device: torch.device, dtype: torch.dtype, direction: str) -> ModuleTyp
     major, minor = torch.cuda.get_device_capability(device)
     arch = "sm90" if (major, minor) == (9, 0) else "sm100" if major == 10 else None
     if arch is not None:
-        candidate = module(arch)
-        if hasattr(candidate, direction) and candidate.available()[0]:
+        try:
+            candidate = module(arch)
+        except ImportError:
+            candidate = None
+        if candidate is not None and hasattr(candidate, direction) and candidate.available()[0]:
             return candidate
     if arch is None and (major, minor) not in _warned:
         _warned.add((major, minor))
@@ -95,7 +98,10 @@ def select(device: torch.device, dtype: torch.dtype, direction: str) -> ModuleTy
     name = requested()
     if name == "auto":
         return _auto(device, dtype, direction)
-    chosen = module(name)
+    try:
+        chosen = module(name)
+    except ImportError as error:
+        raise RuntimeError(f"mla_inductor backend {name!r} cannot run here: {error}") from error
     ok, reason = chosen.available()
     if ok and name in ("sm90", "sm100") and device.type != "cuda":
         ok, reason = False, f"the tensors are on {device.type}, not on a CUDA device"

@@ -56,3 +56,16 @@ def test_selection_happens_when_the_compiled_code_runs(monkeypatch):
     with use_backend("sm90"), pytest.raises(RuntimeError, match="backend 'sm90' cannot run here"):
         fn(q, kv, idx)
     assert calls == [1]
+
+
+def test_unknown_cuda_architecture_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(backends, "_warned", set())
+    device = torch.device("cuda", 0)
+    with pytest.warns(UserWarning, match="compute capability 8.0; falling back to the PyTorch reference"):
+        assert backends.select(device, torch.bfloat16, "forward") is reference
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backends.select(device, torch.bfloat16, "backward") is reference
