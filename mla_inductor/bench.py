@@ -1,0 +1,116 @@
+"""Benchmarks of the sparse-MLA kernels on the current GPU.
+
+    python -m mla_inductor.bench fwd [--T 4096 16384] [--H 128 64] [--topk 2048]
+
+``fwd``: the SM90 forward kernel (``mla_inductor.kernels.sm90``) for every T x H x index pattern
+(``random``: uniform over the S = 2T keys; ``causal``: token t sits at position T + t and draws
+its keys from positions <= its own, its own key in slot 0) x mode (``exact`` = threshold 0.0,
+``train`` = 0.0 with o_lo, ``lazy`` = 8.0), next to a chunked PyTorch implementation measured
+in the same run (at the smallest T only: it is slow). TFLOPS = 2·T·H·topk·(d_qk + d_v) / time,
+time = median of ``triton.testing.do_bench`` (CUDA events). Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+
+import torch
+
+D_QK, D_V = 576, 512
+MODES = {"exact": (0.0, False), "train": (0.0, True), "lazy": (8.0, False)}
+
+
+def make_indices(T: int, S: int, topk: int, pattern: str, generator: torch.Generator) -> torch.Tensor:
+    if pattern == "random":
+        return torch.randint(0, S, (T, topk), device="cuda", dtype=torch.int32, generator=generator)
+    pos = (S - T) + torch.arange(T, device="cuda")
+    idx = (torch.rand(T, topk, device="cuda", generator=generator) * (pos[:, None] + 1)).long()
+    idx[:, 0] = pos
+    idx = torch.where(torch.arange(topk, device="cuda")[None] <= pos[:, None], idx, -1)
+    return idx.int()
+
+
+def torch_forward(q, kv, indices, sm_scale, d_v=D_V, chunk=256):
+    """Chunked PyTorch sparse-MLA forward (bf16 matmuls, fp32 softmax): the baseline."""
+    out = torch.empty(q.shape[0], q.shape[1], d_v, dtype=q.dtype, device=q.device)
+    S = kv.shape[0]
+    for t0 in range(0, q.shape[0], chunk):
+        idx = indices[t0:t0 + chunk].long()
+        valid = (idx >= 0) & (idx < S)
+        keys = kv[torch.where(valid, idx, 0)]
+        s = torch.einsum("thd,tkd->thk", q[t0:t0 + chunk], keys).float() * sm_scale
+        s.masked_fill_(~valid[:, None, :], -math.inf)
+        p = torch.softmax(s, dim=-1).to(q.dtype)
+        out[t0:t0 + chunk] = torch.einsum("thk,tkd->thd", p, keys[..., :d_v])
+    return out
+
+
+def _time_ms(fn) -> float:
+    try:
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=200, return_mode="median")
+    except ImportError:
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(20):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+
+def bench_fwd(Ts, Hs, topk, patterns=("random", "causal")):
+    from mla_inductor.kernels import sm90
+
+    ok, why = sm90.available()
+    if not ok:
+        raise SystemExit(f"sm90 forward not available here: {why}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"# sparse-MLA forward, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}, d_qk {D_QK}, d_v {D_V}, topk {topk}, S = 2T, bf16")
+    print("| T | H | indices | mode | ms | TFLOPS | exact/lazy time |")
+    print("|---|---|---|---|---|---|---|")
+    for T in Ts:
+        S = 2 * T
+        kv = torch.randn(S, D_QK, device="cuda", generator=gen).bfloat16()
+        for H in Hs:
+            q = torch.randn(T, H, D_QK, device="cuda", generator=gen).bfloat16()
+            flops = 2 * T * H * topk * (D_QK + D_V)
+            sm_scale = D_QK**-0.5
+            for pattern in patterns:
+                indices = make_indices(T, S, topk, pattern, gen)
+                times = {}
+                for mode, (thr, o_lo) in MODES.items():
+                    fn = lambda: sm90.forward(q, kv, indices, None, sm_scale, D_V, thr, o_lo)  # noqa: E731
+                    times[mode] = _time_ms(fn)
+                for mode, ms in times.items():
+                    ratio = f"{times['exact'] / times['lazy']:.3f}" if mode == "exact" else ""
+                    print(f"| {T} | {H} | {pattern} | {mode} | {ms:.3f} | "
+                          f"{flops / ms / 1e9:.0f} | {ratio} |")
+                if T == min(Ts):
+                    ms = _time_ms(lambda: torch_forward(q, kv, indices, sm_scale))
+                    print(f"| {T} | {H} | {pattern} | torch (chunked) | {ms:.3f} | "
+                          f"{flops / ms / 1e9:.0f} | |")
+            del q
+        del kv
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m mla_inductor.bench")
+    parser.add_argument("what", choices=["fwd"])
+    parser.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--H", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--topk", type=int, default=2048)
+    args = parser.parse_args(argv)
+    if args.what == "fwd":
+        bench_fwd(args.T, args.H, args.topk)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""CPU-only: the SM90 forward compiles for sm_90a without a GPU, one artefact per threshold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass.cute")
+
+from mla_inductor.kernels import sm90  # noqa: E402
+
+
+def test_precompile_two_thresholds_are_two_kernels(tmp_path):
+    compiled = sm90.precompile("sm_90a", thresholds=(0.0, 8.0), o_lo=(False,), topk_length=(False,))
+    assert len(compiled) == 2
+    (key_exact, exact), (key_lazy, lazy) = sorted(compiled.items(), key=lambda kv: kv[0][3])
+    assert key_exact[3] == 0.0 and key_lazy[3] == 8.0
+    assert key_exact[:3] == ("bfloat16", 576, 512) and key_exact[-1] == "sm_90a"
+    assert exact is not lazy
+    paths = []
+    for name, fn in (("exact", exact), ("lazy", lazy)):
+        path = tmp_path / f"{name}.o"
+        fn.export_to_c(object_file_path=str(path), function_name=f"fwd_{name}")
+        paths.append(path.read_bytes())
+    assert paths[0] != paths[1]
+    # a second call is served from the cache: the very same objects
+    again = sm90.precompile("sm_90a", thresholds=(0.0, 8.0), o_lo=(False,), topk_length=(False,))
+    assert again[key_exact] is exact and again[key_lazy] is lazy
+
+
+def test_precompile_rejects_other_arch():
+    with pytest.raises(ValueError, match="sm_90a"):
+        sm90.precompile("sm_100a")
+
+
+def test_threshold_that_overflows_p_is_rejected():
+    from mla_inductor.kernels.sm90.fwd import SparseMlaFwdSm90
+    from cutlass import Float16
+
+    with pytest.raises(ValueError, match="overflow"):
+        SparseMlaFwdSm90(Float16, 576, 512, 16.0, False, False)
+
+
+def test_disk_cache_round_trip(tmp_path, monkeypatch):
+    """With MLA_INDUCTOR_KERNEL_CACHE set, a compiled kernel is exported and loaded back."""
+    from mla_inductor.kernels.cache import DISK_CACHE_ENV, KernelCache
+    from mla_inductor.kernels.sm90 import fwd
+
+    monkeypatch.setenv(DISK_CACHE_ENV, str(tmp_path))
+    key = fwd.compile_key(torch.bfloat16, 512, 512, 8.0, False, False)
+    with fwd.target_arch("sm_90a"):
+        built = KernelCache("t").get(key, lambda: fwd.compile_forward(*key[:6]))
+        files = list(tmp_path.rglob("*.o"))
+        assert len(files) == 1 and files[0].stat().st_size > 0
+        loaded = KernelCache("t").get(key, lambda: pytest.fail("should load from disk"))
+    assert loaded is not built and callable(loaded)
