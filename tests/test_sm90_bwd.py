@@ -1,0 +1,170 @@
+"""The Hopper sparse-MLA backward kernel (mla_inductor.kernels.sm90.bwd) against fp64 autograd.
+
+GPU only (SM90); every test skips cleanly elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+    pytest.skip("needs an SM90 GPU", allow_module_level=True)
+
+from mla_inductor.kernels.sm90 import bwd  # noqa: E402
+
+
+def _valid(indices, topk_length, S):
+    valid = (indices >= 0) & (indices < S)
+    if topk_length is not None:
+        pos = torch.arange(indices.shape[1], device=indices.device)
+        valid &= pos[None, :] < topk_length[:, None]
+    return valid
+
+
+def _fp64_forward(q, kv, indices, topk_length, sm_scale, d_v):
+    """Independent fp64 sparse MLA (gather form, differentiable): (out, lse)."""
+    S = kv.shape[0]
+    valid = _valid(indices.long(), topk_length, S)
+    safe = torch.where(valid, indices.long(), 0)
+    keys = kv[safe]  # [T, topk, d_qk]
+    s = torch.einsum("thd,tkd->thk", q, keys) * sm_scale
+    s = s.masked_fill(~valid[:, None, :], -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    out = torch.einsum("thk,tkd->thd", p, keys[..., :d_v])
+    return out, lse
+
+
+def _case(T, H, d_qk, d_v, S, topk, seed=0, invalid_frac=0.1, with_topk_length=False):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(T, H, d_qk, generator=g).bfloat16()
+    kv = torch.randn(S, d_qk, generator=g).bfloat16()
+    dout = torch.randn(T, H, d_v, generator=g).bfloat16()
+    indices = torch.randint(0, S, (T, topk), generator=g, dtype=torch.int32)
+    drop = torch.rand(T, topk, generator=g) < invalid_frac
+    indices = torch.where(drop, -1, indices)
+    indices[0, 0] = S  # out of range
+    indices[-1, -1] = 2**31 - 1
+    if T > 2:
+        indices[1] = -1  # a row with no valid slot
+    if topk > 3:
+        indices[-1, 1] = indices[-1, 2]  # a duplicate
+    topk_length = None
+    if with_topk_length:
+        topk_length = torch.randint(0, topk + 1, (T,), generator=g, dtype=torch.int32)
+        topk_length[0] = topk
+    dev = "cuda"
+    return [t.to(dev) if t is not None else None for t in (q, kv, dout, indices, topk_length)]
+
+
+def _reference(q, kv, dout, indices, topk_length, sm_scale, d_v):
+    """fp64 gradients, and the forward outputs (bf16 out, fp32 lse, fp32 o_lo) they come from."""
+    q64 = q.double().requires_grad_()
+    kv64 = kv.double().requires_grad_()
+    out64, lse64 = _fp64_forward(q64, kv64, indices, topk_length, sm_scale, d_v)
+    (out64 * dout.double()).sum().backward()
+    out = out64.detach().to(q.dtype)
+    o_lo = (out64.detach() - out.double()).float()
+    return q64.grad, kv64.grad, out, lse64.detach().float(), o_lo
+
+
+def _rel(x, ref):
+    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+CASES = [
+    # T, H, d_qk, d_v, S, topk, topk_length
+    (6, 16, 576, 512, 300, 100, False),
+    (5, 72, 576, 512, 200, 130, True),
+    (4, 64, 512, 512, 150, 64, False),
+    (3, 128, 576, 512, 4096, 2048, False),
+]
+
+
+@pytest.mark.parametrize("T,H,d_qk,d_v,S,topk,with_len", CASES)
+def test_gradients_vs_fp64(T, H, d_qk, d_v, S, topk, with_len):
+    q, kv, dout, indices, topk_length = _case(T, H, d_qk, d_v, S, topk, with_topk_length=with_len)
+    sm_scale = d_qk**-0.5
+    dq64, dkv64, out, lse, o_lo = _reference(q, kv, dout, indices, topk_length, sm_scale, d_v)
+    dq, dkv = bwd.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
+    torch.cuda.synchronize()
+    assert dq.dtype == q.dtype and dq.shape == q.shape
+    assert dkv.dtype == kv.dtype and dkv.shape == kv.shape
+    assert torch.isfinite(dq).all() and torch.isfinite(dkv).all()
+    # ideal bf16 pipeline: fp64 math from the bf16 inputs, one rounding of the outputs
+    floor_dq = _rel(dq64.to(q.dtype), dq64)
+    floor_dkv = _rel(dkv64.to(kv.dtype), dkv64)
+    err_dq, err_dkv = _rel(dq, dq64), _rel(dkv, dkv64)
+    print(f"T={T} H={H} d={d_qk}/{d_v} topk={topk}: dq {err_dq:.3e} (floor {floor_dq:.3e}), "
+          f"dkv {err_dkv:.3e} (floor {floor_dkv:.3e})")
+    assert err_dq <= 1.5 * floor_dq
+    assert err_dkv <= 1.5 * floor_dkv
+    # rows with no valid slot: exact zeros
+    valid = _valid(indices.long(), topk_length, kv.shape[0])
+    empty_rows = ~valid.any(dim=1)
+    assert (dq[empty_rows] == 0).all()
+    # kv rows that no valid slot references: exact zeros
+    touched = torch.zeros(kv.shape[0], dtype=torch.bool, device=kv.device)
+    touched[indices.long()[valid]] = True
+    assert (dkv[~touched] == 0).all()
+
+
+def test_precise_dpsum_improves_dq():
+    """With o_lo the dpsum uses a near-fp32 O: dq is closer to fp64 than without it."""
+    T, H, d_qk, d_v, S, topk = 8, 64, 576, 512, 64, 64
+    g = torch.Generator(device="cpu").manual_seed(3)
+    kv = torch.randn(S, d_qk, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(S, generator=g)[:topk] for _ in range(T)]).int()
+    # peaked attention: each head's query is aligned with its token's first key
+    q = (0.4 * kv[idx[:, 0].long()][:, None, :] + 0.05 * torch.randn(T, H, d_qk, generator=g)).bfloat16()
+    dout = torch.randn(T, H, d_v, generator=g).bfloat16()
+    q, kv, dout, idx = (t.cuda() for t in (q, kv, dout, idx))
+    sm_scale = d_qk**-0.5
+    dq64, _, out, lse, o_lo = _reference(q, kv, dout, idx, None, sm_scale, d_v)
+    dq_lo, _ = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)
+    dq_no, _ = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo.new_empty(0), sm_scale, d_v)
+    e_lo, e_no = _rel(dq_lo, dq64), _rel(dq_no, dq64)
+    print(f"dq rel-L2 with o_lo {e_lo:.3e}, without {e_no:.3e}")
+    assert e_lo < e_no
+
+
+def test_canaries_and_untouched_rows():
+    """dkv's fp32 accumulator sits inside a larger buffer filled with subnormal fp32 bit patterns
+    (which a stray atomic add of +0.0 would flush to zero): the canaries before and after it, and
+    every accumulator row that no valid slot references, keep their exact bits."""
+    T, H, d_qk, d_v, S, topk = 4, 64, 576, 512, 96, 80
+    q, kv, dout, indices, _ = _case(T, H, d_qk, d_v, S, topk, seed=5, invalid_frac=0.3)
+    indices[2, :3] = torch.tensor([-1, S, 2**31 - 1], dtype=torch.int32)
+    sm_scale = d_qk**-0.5
+    _, _, out, lse, o_lo = _reference(q, kv, dout, indices, None, sm_scale, d_v)
+    pad = 4 * d_qk  # canary elements on each side (keeps 16-byte alignment)
+    pattern = torch.arange(1, (S * d_qk + 2 * pad) + 1, dtype=torch.int32, device="cuda") % 0x7FFFFF
+    buf = pattern.view(torch.float32).clone()  # positive subnormals (exponent bits zero)
+    assert (buf.abs() < torch.finfo(torch.float32).tiny).all() and (buf != 0).all()
+    accum = buf[pad : pad + S * d_qk].view(S, d_qk)
+    bwd.backward_into(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, d_v, accum)
+    torch.cuda.synchronize()
+    bits, ref_bits = buf.view(torch.int32), pattern
+    assert torch.equal(bits[:pad], ref_bits[:pad])
+    assert torch.equal(bits[-pad:], ref_bits[-pad:])
+    valid = _valid(indices.long(), None, S)
+    touched = torch.zeros(S, dtype=torch.bool, device="cuda")
+    touched[indices.long()[valid]] = True
+    assert (~touched).any()
+    rows = bits[pad : pad + S * d_qk].view(S, d_qk)
+    assert torch.equal(rows[~touched], ref_bits[pad : pad + S * d_qk].view(S, d_qk)[~touched])
+    assert torch.isfinite(accum).all()
+
+
+def test_misaligned_accumulator_rejected():
+    q, kv, dout, indices, _ = _case(2, 16, 576, 512, 32, 16, seed=7)
+    lse = torch.zeros(2, 16, device="cuda")
+    buf = torch.zeros(32 * 576 + 1, device="cuda")
+    with pytest.raises(ValueError):
+        bwd.backward_into(dout, q, kv, indices, None, dout, lse, lse.new_empty(0), 0.1, 512,
+                          buf[1:].view(32, 576))
