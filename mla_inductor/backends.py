@@ -66,7 +66,13 @@ def module(name: str) -> ModuleType:
     return importlib.import_module(f"mla_inductor.kernels.{_check_name(name)}")
 
 
-def _auto(device: torch.device, dtype: torch.dtype, direction: str) -> ModuleType:
+def _supports(candidate: ModuleType, dtype, direction: str, dims) -> tuple[bool, str]:
+    if dims is None or not hasattr(candidate, "supports"):
+        return True, ""
+    return candidate.supports(dtype, direction, *dims)
+
+
+def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims) -> ModuleType:
     if device.type != "cuda" or dtype == torch.float32:
         return module("reference")
     major, minor = torch.cuda.get_device_capability(device)
@@ -76,7 +82,12 @@ def _auto(device: torch.device, dtype: torch.dtype, direction: str) -> ModuleTyp
             candidate = module(arch)
         except ImportError:
             candidate = None
-        if candidate is not None and hasattr(candidate, direction) and candidate.available()[0]:
+        if (
+            candidate is not None
+            and hasattr(candidate, direction)
+            and candidate.available()[0]
+            and _supports(candidate, dtype, direction, dims)[0]
+        ):
             return candidate
     if arch is None and (major, minor) not in _warned:
         _warned.add((major, minor))
@@ -88,8 +99,11 @@ def _auto(device: torch.device, dtype: torch.dtype, direction: str) -> ModuleTyp
     return module("reference")
 
 
-def select(device: torch.device, dtype: torch.dtype, direction: str) -> ModuleType:
+def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) -> ModuleType:
     """The backend module that runs ``direction`` (``"forward"`` or ``"backward"``).
+
+    ``dims = (T, H, S, d_qk, d_v)`` lets ``auto`` skip a kernel backend that does not support the
+    problem (its ``supports()`` says why) in favour of the reference; a forced backend raises.
 
     Raises:
         RuntimeError: when the requested backend cannot run here; the message names what is
@@ -97,7 +111,7 @@ def select(device: torch.device, dtype: torch.dtype, direction: str) -> ModuleTy
     """
     name = requested()
     if name == "auto":
-        return _auto(device, dtype, direction)
+        return _auto(device, dtype, direction, dims)
     try:
         chosen = module(name)
     except ImportError as error:
@@ -107,6 +121,8 @@ def select(device: torch.device, dtype: torch.dtype, direction: str) -> ModuleTy
         ok, reason = False, f"the tensors are on {device.type}, not on a CUDA device"
     if ok and name in ("sm90", "sm100") and dtype == torch.float32:
         ok, reason = False, "float32 runs on the reference backend only; use bfloat16 or float16"
+    if ok and hasattr(chosen, direction):
+        ok, reason = _supports(chosen, dtype, direction, dims)
     if not ok:
         raise RuntimeError(f"mla_inductor backend {name!r} cannot run here: {reason}")
     if not hasattr(chosen, direction):

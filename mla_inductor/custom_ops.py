@@ -30,6 +30,10 @@ from .validation import check_backward_inputs, check_forward_inputs
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
 
 
+def _dims(q: Tensor, kv: Tensor, d_v: int) -> tuple[int, int, int, int, int]:
+    return q.shape[0], q.shape[1], kv.shape[0], q.shape[2], d_v
+
+
 def _empty_o_lo(q: Tensor, return_o_lo: bool, d_v: int) -> Tensor:
     shape = (q.shape[0], q.shape[1], d_v) if return_o_lo else (0,)
     return q.new_empty(shape, dtype=torch.float32)
@@ -47,7 +51,7 @@ def sparse_mla_fwd(
     return_o_lo: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     check_forward_inputs(q, kv, indices, topk_length, d_v)
-    backend = backends.select(q.device, q.dtype, "forward")
+    backend = backends.select(q.device, q.dtype, "forward", _dims(q, kv, d_v))
     return backend.forward(
         q.contiguous(),
         kv.contiguous(),
@@ -83,7 +87,7 @@ def sparse_mla_bwd(
     d_v: int,
 ) -> tuple[Tensor, Tensor]:
     check_backward_inputs(dout, q, kv, indices, topk_length, out, lse, o_lo, d_v)
-    backend = backends.select(q.device, q.dtype, "backward")
+    backend = backends.select(q.device, q.dtype, "backward", _dims(q, kv, d_v))
     return backend.backward(
         dout.contiguous(),
         q.contiguous(),

@@ -24,6 +24,10 @@ backends:
     o_lo). Returns contiguous ``dq [T, H, d_qk]`` in q's dtype and ``dkv [S, d_qk]`` in kv's
     dtype (fp32 accumulation; empty slots never written).
 
+``supports(dtype, direction, T, H, S, d_qk, d_v) -> tuple[bool, str]`` (optional)
+    Whether the backend handles this problem; ``auto`` falls back to the reference when not,
+    a forced backend raises the reason.
+
 ``precompile(arch, **static_config)`` (GPU backends only)
     Compiles kernels without a GPU (``CUTE_DSL_ARCH``) and returns the compiled artefacts.
 """

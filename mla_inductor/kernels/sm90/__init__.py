@@ -20,6 +20,20 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
+SUPPORTED_DIMS = ((576, 512), (512, 512))  # (d_qk, d_v)
+
+
+def supports(dtype, direction, T, H, S, d_qk, d_v) -> tuple[bool, str]:
+    """Whether the kernels handle this problem (``auto`` falls back to the reference if not)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False, f"sm90 kernels take bfloat16 or float16, got {dtype}"
+    if (d_qk, d_v) not in SUPPORTED_DIMS:
+        return False, f"sm90 kernels support (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}"
+    if direction == "backward" and (T * H * d_qk >= 2**31 or S * d_qk >= 2**31):
+        return False, "sm90 backward uses 32-bit offsets: T*H*d_qk and S*d_qk must be < 2**31"
+    return True, ""
+
+
 def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo):
     """See :func:`mla_inductor.kernels.sm90.fwd.forward`."""
     from . import fwd
@@ -28,18 +42,21 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
 
 
 def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576, d_v: int = 512,
-               thresholds=(0.0, 8.0), o_lo=(False, True), topk_length=(False, True)) -> dict:
-    """Compiles the forward kernels for ``arch`` without a GPU; returns ``{compile_key: fn}``.
+               thresholds=(0.0, 8.0), o_lo=(False, True), topk_length=(False, True),
+               backward_heads=(128,)) -> dict:
+    """Compiles the kernels for ``arch`` without a GPU; returns ``{compile_key: fn}``.
 
-    Every combination of ``dtypes`` x ``thresholds`` x ``o_lo`` x ``topk_length`` is compiled
-    (and cached, so later calls on a GPU do not compile again).
+    Forward: every combination of ``dtypes`` x ``thresholds`` x ``o_lo`` x ``topk_length``.
+    Backward (its head count is static): ``dtypes`` x ``backward_heads`` x ``topk_length``;
+    pass ``backward_heads=()`` to skip it. Everything is cached, so later calls on a GPU do not
+    compile again.
 
     Raises:
         ValueError: for an arch other than ``sm_90a``.
     """
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
-    from . import fwd
+    from . import bwd, fwd
 
     compiled = {}
     with fwd.target_arch(arch):
@@ -49,6 +66,9 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
                     for with_len in topk_length:
                         key = fwd.compile_key(dtype, d_qk, d_v, threshold, with_o_lo, with_len, arch)
                         compiled[key] = fwd.get_kernel(key)
+    if backward_heads:
+        compiled.update(bwd.precompile_backward(
+            arch, dtypes=dtypes, heads=backward_heads, d_qk=d_qk, d_v=d_v, topk_length=topk_length))
     return compiled
 
 
