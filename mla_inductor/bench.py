@@ -1,6 +1,7 @@
 """Benchmarks of the sparse-MLA kernels on the current GPU.
 
     python -m mla_inductor.bench fwd [--T 4096 16384] [--H 128 64] [--topk 2048]
+    python -m mla_inductor.bench bwd [--T 4096 16384] [--H 128 64] [--topk 2048] [--no-reference]
 
 ``fwd``: the SM90 forward kernel (``mla_inductor.kernels.sm90``) for every T x H x index pattern
 (``random``: uniform over the S = 2T keys; ``causal``: token t sits at position T + t and draws
@@ -102,8 +103,15 @@ def bench_fwd(Ts, Hs, topk, patterns=("random", "causal")):
 
 
 def main(argv=None):
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bwd"]:
+        from .bench_bwd import main as bench_bwd
+
+        return bench_bwd(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mla_inductor.bench")
-    parser.add_argument("what", choices=["fwd"])
+    parser.add_argument("what", choices=["fwd", "bwd"])
     parser.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--H", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--topk", type=int, default=2048)

@@ -87,4 +87,5 @@ def _log_capture(decision: Decision) -> None:
             kind,
             decision.rescale_threshold,
             decision.reason,
+            extra={"graph": kind, "rescale_threshold": decision.rescale_threshold, "reason": decision.reason},
         )

@@ -1,0 +1,510 @@
+"""The main job: ``python -m mla_inductor.demo``.
+
+Trains a small causal byte-level language model whose attention is DeepSeek Sparse Attention
+(DSA) over absorbed-form MLA, compiled with ``torch.compile(fullgraph=True)``, on real text that
+every Python install has offline (the standard library's own source files), then evaluates and
+samples under ``torch.no_grad()`` with the same compiled model.
+
+Per layer (shapes for batch ``B``, tokens ``T``, ``H`` heads):
+
+- the indexer (no grad) scores earlier tokens with a low-rank product ``q_idx . k_idx`` under a
+  causal mask, always keeps the token itself, and takes the top ``topk``; slots beyond a token's
+  ``t + 1`` predecessors are ``-1`` (empty);
+- the latent ``c_kv [B, T, d_latent]`` and a rotary part ``k_rope [B, T, d_rope]`` form
+  ``kv [B, T, d_latent + d_rope]`` (one latent head, MQA); queries are absorbed into the latent
+  space, ``q [B, T, H, d_latent + d_rope]``;
+- :func:`mla_inductor.sparse_mla` attends over the selected rows with ``d_qk = d_latent + d_rope``
+  and ``d_v = d_latent``, followed by the output up-projection ``[H * d_latent] -> d_model``.
+
+Sources: the DSA indexer and absorbed MLA follow DeepSeek-V3.2-Exp (DeepSeek-AI, 2025) and
+DeepSeek-V2 (arXiv:2405.04434); the rotary embedding is RoFormer (arXiv:2104.09864).
+
+The threshold the policy picks for each captured graph is read from the ``mla_inductor``
+logger's INFO records; graph breaks and compiled-graph counts from ``torch._dynamo``'s counters.
+Exits non-zero when the training loss did not fall or there was a graph break.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import backends
+from .api import sparse_mla
+
+VOCAB = 256  # bytes
+PROMPT = b"def __init__(self"
+
+
+@dataclasses.dataclass
+class Config:
+    """Run settings; ``None`` fields take device-dependent defaults (:meth:`resolved`)."""
+
+    steps: int = 250
+    batch: int = 8
+    seq_len: int = 128
+    d_model: int = 128
+    d_latent: Optional[int] = None
+    d_rope: Optional[int] = None
+    heads: int = 4
+    layers: int = 2
+    topk: int = 32
+    d_index: int = 16
+    lr: float = 3e-3
+    val_batches: int = 8
+    sample_tokens: int = 64
+    temperature: float = 0.8
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype: Optional[str] = None
+    threads: Optional[int] = None
+    seed: int = 0
+
+    def resolved(self) -> "Config":
+        """On CUDA: bfloat16 and DeepSeek's d_latent 512, d_rope 64 (the shapes the GPU kernels
+        implement); elsewhere float32, d_latent 64, d_rope 16 (the reference backend takes any)
+        and one CPU thread. The ops are tiny, and OpenMP barriers spin when other processes
+        share the cores: on 2 cores a step took 0.07 s with 1 thread and 0.05 s with 2 when idle,
+        but 0.1 s against 1.8 s with 2 when other jobs were running."""
+        cuda = torch.device(self.device).type == "cuda"
+
+        def pick(value, on_cuda, elsewhere):
+            return value if value is not None else on_cuda if cuda else elsewhere
+
+        return dataclasses.replace(
+            self,
+            d_latent=pick(self.d_latent, 512, 64),
+            d_rope=pick(self.d_rope, 64, 16),
+            dtype=pick(self.dtype, "bfloat16", "float32"),
+            threads=pick(self.threads, torch.get_num_threads(), 1),
+        )
+
+
+@dataclasses.dataclass
+class Report:
+    device: str
+    dtype: str
+    backend_requested: str
+    backend_forward: str
+    backend_backward: str
+    thresholds: dict  # graph kind ("training" / "inference") -> sorted distinct thresholds
+    graph_breaks: int
+    graphs_train: int  # dynamo graphs compiled while training (1 = no recompile)
+    graphs_eval: int  # ... during evaluation and sampling (1 = the no_grad graph, no recompile)
+    losses: list
+    loss_start: float  # mean training loss of the first steps (window of max(1, steps // 10))
+    loss_end: float  # ... of the last steps
+    first_step_s: float  # the first training step, compile included
+    train_tokens_per_s: float  # steps after the first
+    val_loss: float
+    sample: str
+
+    @property
+    def ok(self) -> bool:
+        return self.graph_breaks == 0 and self.loss_end < self.loss_start
+
+
+# ---------------------------------------------------------------------------------------------
+# Model
+
+
+def rope_tables(T: int, dim: int) -> tuple[Tensor, Tensor]:
+    """``cos, sin [T, dim // 2]`` float32 for RoFormer's rotary embedding (base 10000)."""
+    inv_freq = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = torch.arange(T, dtype=torch.float32)[:, None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotates pairs ``(x[..., i], x[..., i + dim/2])`` by the angles in ``cos``/``sin``, which
+    broadcast against ``x[..., : dim / 2]``."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).to(x.dtype)
+
+
+class Indexer(nn.Module):
+    """DSA indexer: ``indices [B, T, topk]`` int32 of the highest-scoring tokens ``j <= t``.
+
+    Scores are ``q_idx[t] . k_idx[j]`` (rank ``d_index``), computed without grad; the token itself
+    is always selected; slots beyond the ``t + 1`` available tokens are -1. Its projections get no
+    gradient and keep their random initialisation (DSA trains them against the dense attention
+    distribution, which this demo leaves out).
+    """
+
+    def __init__(self, d_model: int, d_index: int, topk: int):
+        super().__init__()
+        self.wq = nn.Linear(d_model, d_index, bias=False)
+        self.wk = nn.Linear(d_model, d_index, bias=False)
+        self.topk = topk
+
+    def forward(self, x: Tensor) -> Tensor:
+        T = x.shape[1]
+        with torch.no_grad():
+            scores = (self.wq(x) @ self.wk(x).transpose(1, 2)).float()  # [B, T, T]
+            pos = torch.arange(T, device=x.device)
+            scores = scores.masked_fill(pos[None, :] > pos[:, None], -math.inf)
+            scores = scores.masked_fill(pos[None, :] == pos[:, None], math.inf)
+            values, indices = scores.topk(min(self.topk, T), dim=-1)
+            return torch.where(values == -math.inf, -1, indices).to(torch.int32)
+
+
+class SparseMLA(nn.Module):
+    """Absorbed-form MLA attention over the indexer's top-k tokens."""
+
+    def __init__(self, cfg: Config, dtype: torch.dtype):
+        super().__init__()
+        self.heads, self.d_latent, self.d_rope = cfg.heads, cfg.d_latent, cfg.d_rope
+        self.dtype = dtype
+        d_qk = cfg.d_latent + cfg.d_rope
+        self.wq = nn.Linear(cfg.d_model, cfg.heads * d_qk, bias=False)
+        self.wkv = nn.Linear(cfg.d_model, d_qk, bias=False)
+        self.kv_norm = nn.RMSNorm(cfg.d_latent)
+        self.wo = nn.Linear(cfg.heads * cfg.d_latent, cfg.d_model, bias=False)
+        self.indexer = Indexer(cfg.d_model, cfg.d_index, cfg.topk)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.heads, self.d_latent + self.d_rope)
+        q_nope, q_rope = q.split([self.d_latent, self.d_rope], dim=-1)
+        q = torch.cat((q_nope, apply_rope(q_rope, cos[:, None], sin[:, None])), dim=-1)
+        c_kv, k_rope = self.wkv(x).split([self.d_latent, self.d_rope], dim=-1)
+        c_kv = self.kv_norm(c_kv.float()).to(k_rope.dtype)
+        kv = torch.cat((c_kv, apply_rope(k_rope, cos, sin)), dim=-1)
+        indices = self.indexer(x)
+        out = sparse_mla(q.to(self.dtype), kv.to(self.dtype), indices, d_v=self.d_latent)
+        return self.wo(out.reshape(B, T, self.heads * self.d_latent))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Config, dtype: torch.dtype):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(cfg.d_model)
+        self.attn = SparseMLA(cfg, dtype)
+        self.norm2 = nn.RMSNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model),
+            nn.GELU(),
+            nn.Linear(4 * cfg.d_model, cfg.d_model),
+        )
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class ByteLM(nn.Module):
+    """Causal byte-level LM: ``tokens [B, T]`` int64, ``T <= cfg.seq_len`` -> ``logits [B, T, 256]``
+    float32.
+
+    Parameters are float32; with a 16-bit ``dtype`` the body runs under autocast and the
+    attention gets ``q``/``kv`` in that dtype.
+    """
+
+    def __init__(self, cfg: Config, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+        cos, sin = rope_tables(cfg.seq_len, cfg.d_rope)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.embed = nn.Embedding(VOCAB, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, dtype) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.d_model)
+        nn.init.normal_(self.embed.weight, std=0.02)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        cos, sin = self.cos[: tokens.shape[1]], self.sin[: tokens.shape[1]]
+        half = self.dtype != torch.float32
+        with torch.autocast(tokens.device.type, dtype=self.dtype, enabled=half):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x, cos, sin)
+            return (self.norm(x) @ self.embed.weight.T).float()  # tied output projection
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+
+
+def load_corpus() -> Tensor:
+    """The bytes of the standard library's top-level ``.py`` files, sorted by name, as uint8."""
+    root = os.path.dirname(os.__file__)
+    names = sorted(n for n in os.listdir(root) if n.endswith(".py"))
+    data = b"".join(open(os.path.join(root, n), "rb").read() for n in names)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def batch_at(data: Tensor, starts: Tensor, seq_len: int, device) -> tuple[Tensor, Tensor]:
+    """Inputs and next-byte targets ``[len(starts), seq_len]`` int64 on ``device``."""
+    rows = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()]).long()
+    return rows[:, :-1].contiguous().to(device), rows[:, 1:].contiguous().to(device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Observation: thresholds from the policy's log, dynamo counters, progress
+
+
+class ThresholdLog(logging.Handler):
+    """Collects the policy's per-capture INFO records (their ``graph`` and ``rescale_threshold``
+    fields) as ``{kind: sorted distinct thresholds}``, while attached to the ``mla_inductor``
+    logger; kind is ``training`` or ``inference``."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.thresholds: dict[str, list[float]] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        graph = getattr(record, "graph", None)
+        if graph is not None:
+            seen = self.thresholds.setdefault(graph.split()[0], [])
+            if record.rescale_threshold not in seen:
+                seen.append(record.rescale_threshold)
+                seen.sort()
+
+    def __enter__(self):
+        self.logger = logging.getLogger("mla_inductor")
+        self.old_level = self.logger.level
+        if not self.logger.isEnabledFor(logging.INFO):
+            self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.old_level)
+
+
+def compiled_graphs() -> int:
+    """Dynamo graphs compiled so far in this process (each recompile adds one)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def graph_breaks() -> int:
+    return sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def progress(step: int, steps: int, loss: float, out: Callable[[str], None]) -> None:
+    """A ``\\r`` progress bar on a terminal; otherwise one line every ``steps // 10`` steps."""
+    if sys.stdout.isatty() and out is print:
+        filled = 30 * step // steps
+        bar = "#" * filled + "." * (30 - filled)
+        sys.stdout.write(f"\r  [{bar}] {step}/{steps} loss {loss:.3f}")
+        if step == steps:
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+    elif step == 1 or step == steps or step % max(1, steps // 10) == 0:
+        out(f"  step {step:>5}/{steps}  loss {loss:.3f}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def train(compiled, model: nn.Module, data: Tensor, cfg: Config, g: torch.Generator, out) -> tuple:
+    """AdamW steps on random windows of ``data``.
+
+    Returns ``(losses, seconds of the first step, seconds of the later steps)``.
+    """
+    device = torch.device(cfg.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    losses, first_s, rest_s = [], 0.0, 0.0
+    for step in range(1, cfg.steps + 1):
+        starts = torch.randint(0, len(data) - cfg.seq_len - 1, (cfg.batch,), generator=g)
+        x, y = batch_at(data, starts, cfg.seq_len, device)
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(compiled(x).reshape(-1, VOCAB), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())  # synchronises
+        if step == 1:
+            first_s = time.perf_counter() - t0
+        else:
+            rest_s += time.perf_counter() - t0
+        progress(step, cfg.steps, losses[-1], out)
+    return losses, first_s, rest_s
+
+
+@torch.no_grad()
+def evaluate(compiled, data: Tensor, cfg: Config) -> float:
+    """Mean next-byte loss over ``val_batches * batch`` evenly spaced windows of ``data``."""
+    starts = torch.linspace(0, len(data) - cfg.seq_len - 2, cfg.val_batches * cfg.batch).long()
+    losses = []
+    for chunk in starts.split(cfg.batch):
+        x, y = batch_at(data, chunk, cfg.seq_len, torch.device(cfg.device))
+        losses.append(F.cross_entropy(compiled(x).reshape(-1, VOCAB), y.reshape(-1)).item())
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def sample(compiled, cfg: Config, g: torch.Generator) -> str:
+    """Continues ``PROMPT`` by up to ``cfg.sample_tokens`` bytes (temperature sampling; greedy
+    at temperature 0). Every step runs the full ``[batch, seq_len]`` forward, the shape of the
+    compiled inference graph (positions past the written ones are padding that the causal model
+    never reads); row 0 is returned."""
+    device = torch.device(cfg.device)
+    buf = torch.zeros(cfg.batch, cfg.seq_len, dtype=torch.long, device=device)
+    n = min(len(PROMPT), cfg.seq_len - 1)
+    buf[:, :n] = torch.tensor(list(PROMPT[:n]), dtype=torch.long, device=device)
+    for pos in range(n, min(cfg.seq_len, n + cfg.sample_tokens)):
+        logits = compiled(buf)[0, pos - 1].float().cpu()
+        if cfg.temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits / cfg.temperature, -1), 1, generator=g)
+        else:
+            nxt = logits.argmax(-1, keepdim=True)
+        buf[:, pos] = nxt.to(device)
+        n = pos + 1
+    return bytes(buf[0, :n].tolist()).decode("utf-8", errors="replace")
+
+
+def run(cfg: Config, out: Callable[[str], None] = print) -> Report:
+    """Trains, evaluates and samples as configured, printing through ``out``; returns the
+    measurements. Resets ``torch._dynamo`` (caches and counters) first; sets torch's CPU thread
+    count for the run and restores it after.
+
+    Raises:
+        ValueError: ``steps < 1``.
+    """
+    cfg = cfg.resolved()
+    if cfg.steps < 1:
+        raise ValueError(f"steps must be >= 1, got {cfg.steps}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: Config, out: Callable[[str], None]) -> Report:
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    torch.manual_seed(cfg.seed)
+    g = torch.Generator().manual_seed(cfg.seed)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+    names = {d: backends.select(device, dtype, d).__name__ for d in ("forward", "backward")}
+    where = str(device)
+    if device.type == "cuda":
+        where += f" ({torch.cuda.get_device_name(device)})"
+    out(f"device {where}, dtype {cfg.dtype}, torch {torch.__version__}, "
+        f"{cfg.threads} CPU thread(s)")
+    out(f"backend requested: {backends.requested()}; in use: forward {names['forward']}, "
+        f"backward {names['backward']}")
+
+    data = load_corpus()
+    split = int(0.9 * len(data))
+    train_data, val_data = data[:split], data[split:]
+    out(f"corpus: {len(data):,} bytes of {os.path.dirname(os.__file__)}/*.py "
+        f"(train {len(train_data):,}, val {len(val_data):,})")
+
+    model = ByteLM(cfg, dtype).to(device)
+    out(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads, d_latent "
+        f"{cfg.d_latent}, d_rope {cfg.d_rope} (d_qk {cfg.d_latent + cfg.d_rope}, d_v "
+        f"{cfg.d_latent}), topk {cfg.topk} of seq_len {cfg.seq_len}, batch {cfg.batch}; "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters")
+    compiled = torch.compile(model, fullgraph=True)
+
+    with ThresholdLog() as thresholds:
+        out(f"training {cfg.steps} steps (the first compiles the training graph)")
+        graphs0 = compiled_graphs()
+        losses, first_s, rest_s = train(compiled, model, train_data, cfg, g, out)
+        graphs_train = compiled_graphs() - graphs0
+        t_eval = time.perf_counter()
+        val_loss = evaluate(compiled, val_data, cfg)
+        t_sample = time.perf_counter()
+        text = sample(compiled, cfg, g)
+        t_end = time.perf_counter()
+        graphs_eval = compiled_graphs() - graphs0 - graphs_train
+
+    window = max(1, cfg.steps // 10)
+    later_tokens = (cfg.steps - 1) * cfg.batch * cfg.seq_len
+    report = Report(
+        device=str(device),
+        dtype=cfg.dtype,
+        backend_requested=backends.requested(),
+        backend_forward=names["forward"],
+        backend_backward=names["backward"],
+        thresholds=dict(thresholds.thresholds),
+        graph_breaks=graph_breaks(),
+        graphs_train=graphs_train,
+        graphs_eval=graphs_eval,
+        losses=losses,
+        loss_start=sum(losses[:window]) / window,
+        loss_end=sum(losses[-window:]) / window,
+        first_step_s=first_s,
+        train_tokens_per_s=later_tokens / rest_s if rest_s else math.nan,
+        val_loss=val_loss,
+        sample=text,
+    )
+    out(f"loss: start {report.loss_start:.3f} -> end {report.loss_end:.3f} (mean of {window} "
+        f"step(s); ln 256 = {math.log(VOCAB):.3f})")
+    out(f"speed: first step {first_s:.1f} s (compile included), then "
+        f"{report.train_tokens_per_s:,.0f} tokens/s")
+    out(f"val loss (no_grad, {cfg.val_batches * cfg.batch} sequences): {val_loss:.3f} "
+        f"[{t_sample - t_eval:.1f} s, compile of the no_grad graph included]")
+    for kind in ("training", "inference"):
+        out(f"rescale_threshold chosen at capture, {kind} graph: "
+            f"{', '.join(map(str, report.thresholds.get(kind, []))) or 'not captured'}")
+    out(f"graph breaks: {report.graph_breaks}; dynamo graphs compiled: training {graphs_train}, "
+        f"eval + sampling {graphs_eval} (1 each = no recompiles beyond the no_grad graph)")
+    out(f"sample (temperature {cfg.temperature}, {t_end - t_sample:.1f} s):\n{text!r}")
+    out(f"total: {time.perf_counter() - wall0:.1f} s wall, {time.process_time() - cpu0:.1f} s CPU")
+    return report
+
+
+def parse_args(argv=None) -> Config:
+    d = Config()
+    p = argparse.ArgumentParser(
+        prog="python -m mla_inductor.demo",
+        description="Train a small DSA sparse-MLA byte-level LM with torch.compile, then sample.",
+    )
+    p.add_argument("--steps", type=int, default=d.steps, help="training steps")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="bytes per sequence")
+    p.add_argument("--d-model", type=int, default=d.d_model, help="residual width")
+    p.add_argument("--d-latent", type=int, help="d_v (default: 512 on cuda, else 64)")
+    p.add_argument("--d-rope", type=int, help="rope width (default: 64 on cuda, else 16)")
+    p.add_argument("--heads", type=int, default=d.heads, help="query heads")
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--topk", type=int, default=d.topk, help="tokens each token attends to")
+    p.add_argument("--d-index", type=int, default=d.d_index, help="indexer rank")
+    p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
+    p.add_argument("--val-batches", type=int, default=d.val_batches)
+    p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="bytes to generate")
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    p.add_argument("--device", default=d.device, help=f"default: {d.device} (cuda if available)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="compute dtype of the attention and of autocast (default: bfloat16 on cuda, float32 "
+        "elsewhere; parameters stay float32)",
+    )
+    p.add_argument("--threads", type=int, help="CPU threads (default: 1 on cpu, else torch's)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    return Config(**vars(p.parse_args(argv)))
+
+
+def main(argv=None) -> int:
+    report = run(parse_args(argv))
+    if not report.ok:
+        print(
+            f"FAILED: graph breaks {report.graph_breaks}, loss {report.loss_start:.3f} -> "
+            f"{report.loss_end:.3f}",
+            file=sys.stderr,
+        )
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
