@@ -64,9 +64,9 @@ def sparse_mla(
             each batch element. int32 (int64 accepted). An index < 0 or >= S is an empty slot:
             never read, contributes nothing. Duplicates count once per occurrence.
         sm_scale: softmax scale; defaults to ``d_qk ** -0.5``.
-        d_v: value width, ``<= d_qk`` (512 for DeepSeek V3.2, d_qk = 576).
-        topk_length: optional int32 ``[T]`` (batched ``[B, T]``); slots at positions
-            ``>= topk_length[t]`` are empty.
+        d_v: value width, ``<= d_qk``; default 512 (DeepSeek V3.2, d_qk = 576).
+        topk_length: optional int32 ``[T]`` (batched ``[B, T]``; int64 accepted); slots at
+            positions ``>= topk_length[t]`` are empty.
         rescale_threshold: online-softmax lazy-rescale threshold in log2 units. ``None`` (the
             default) lets :mod:`mla_inductor.policy` decide at graph capture: 0.0 (exact running
             max) when a backward consumes the forward, 8.0 otherwise.
@@ -117,6 +117,8 @@ def sparse_mla(
         if topk_length is not None:
             topk_length = topk_length.reshape(B * T)
     indices = indices.to(torch.int32)
+    if topk_length is not None and topk_length.dtype == torch.int64:
+        topk_length = topk_length.clamp(0, indices.shape[-1]).to(torch.int32)
     out, lse = torch.ops.mla_inductor.sparse_mla(
         q, kv, indices, topk_length, float(sm_scale), d_v, rescale_threshold
     )

@@ -54,7 +54,10 @@ def check_forward_inputs(
         f"mismatched d_qk: q has {q.shape[-1]}, kv has {kv.shape[-1]}",
     )
     _check(1 <= d_v, f"d_v must be >= 1, got {d_v}")
-    _check(d_v <= q.shape[-1], f"d_v ({d_v}) must be <= d_qk ({q.shape[-1]})")
+    _check(
+        d_v <= q.shape[-1],
+        f"d_v ({d_v}) must be <= d_qk ({q.shape[-1]}); d_v defaults to 512, pass d_v= for other widths",
+    )
     _check(
         indices.shape[0] == q.shape[0],
         f"token count mismatch: q has T={q.shape[0]}, indices has T={indices.shape[0]}",

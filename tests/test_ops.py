@@ -225,3 +225,11 @@ def test_reference_chunking_is_invisible(monkeypatch):
     many_grads = reference.backward(torch.ones_like(one[0]), q, kv, idx, None, *many, 0.2, 16)
     for a, b in zip(one + grads, many + many_grads):
         assert torch.equal(a, b)
+
+
+def test_int64_topk_length_is_accepted():
+    q, kv, idx = random_inputs(4, 2, 16, 10, 6, dtype=torch.float32)
+    lengths = torch.tensor([0, 3, 6, 2**40])
+    out = sparse_mla(q, kv, idx, d_v=8, topk_length=lengths)
+    ref = sparse_mla(q, kv, idx, d_v=8, topk_length=torch.tensor([0, 3, 6, 6], dtype=torch.int32))
+    assert torch.equal(out, ref)
