@@ -12,31 +12,30 @@ from .validation import INDEX_DTYPES
 
 
 def _require(cond: bool, message: str) -> None:
-    """A check on static properties (ranks, dtypes): a plain raise, which Dynamo traces as an
-    error at trace time. Symbolic sizes are checked with ``torch._check`` and constant messages,
-    here and in :mod:`mla_inductor.validation`."""
+    """A static check of the batched layout, needed before reshaping (a plain raise, which Dynamo
+    reports as an observed exception). Every other check is left to the ops' fake kernels
+    (:mod:`mla_inductor.validation`), whose messages head the error at trace time."""
     if not cond:
         raise RuntimeError(f"sparse_mla: {message}")
 
 
-def _squeeze_kv_heads(kv: Tensor, rank: int) -> Tensor:
-    if kv.dim() == rank + 1:
-        torch._check(kv.shape[-2] == 1, lambda: "sparse_mla: kv must have one latent head (MQA): [S, 1, d_qk]")
-        return kv.squeeze(-2)
-    _require(kv.dim() == rank, f"kv has rank {kv.dim()}; expected {rank} or {rank + 1}")
-    return kv
+def _squeeze_heads(t: Tensor, rank: int, what: str) -> Tensor:
+    """``[.., 1, D]`` -> ``[.., D]`` for kv and indices; any other rank passes through unchanged
+    so that the op's check reports it."""
+    if t.dim() != rank + 1:
+        return t
+    torch._check(
+        t.shape[-2] == 1,
+        lambda: f"sparse_mla: {what} must have a head dimension of 1 (MQA: one latent row and one "
+        "index set per token, shared by all query heads)",
+    )
+    return t.squeeze(-2)
 
 
-def _squeeze_index_heads(indices: Tensor, rank: int) -> Tensor:
-    if indices.dim() == rank + 1:
-        torch._check(
-            indices.shape[-2] == 1,
-            lambda: "sparse_mla: indices must have one index set per token shared by all query "
-            "heads ([T, 1, topk])",
-        )
-        return indices.squeeze(-2)
-    _require(indices.dim() == rank, f"indices has rank {indices.dim()}; expected {rank} or {rank + 1}")
-    return indices
+def _mask_invalid(indices: Tensor, S) -> Tensor:
+    """Invalid slots -> -1 before any cast or offset: an int64 index >= 2**31 must not wrap into
+    a valid row, and a batch element's index >= S must not land in the next element."""
+    return torch.where((indices >= 0) & (indices < S), indices, -1)
 
 
 def sparse_mla(
@@ -82,25 +81,21 @@ def sparse_mla(
             q and indices, non-integer indices, mixed devices or an unsupported dtype (the same
             messages at trace time under ``torch.compile``); a forced backend that cannot run here.
     """
-    _require(q.dim() in (3, 4), f"q must be [T, H, d_qk] or [B, T, H, d_qk], got rank {q.dim()}")
-    _require(
-        indices.dtype in INDEX_DTYPES,
-        f"indices must be an integer tensor (int32 or int64), got {indices.dtype}",
-    )
     d_qk = q.shape[-1]
     if sm_scale is None:
         sm_scale = d_qk**-0.5
     batched = q.dim() == 4
     rank = 3 if batched else 2
-    kv = _squeeze_kv_heads(kv, rank)
-    indices = _squeeze_index_heads(indices, rank)
-    S = kv.shape[-2]
-    if indices.dtype == torch.int64 or batched:
-        # Map invalid slots to -1 first: an int64 index >= 2**31 must not wrap into a valid row,
-        # and a batch element's index >= S must not land in the next element.
-        indices = torch.where((indices >= 0) & (indices < S), indices, -1)
+    kv = _squeeze_heads(kv, rank, "kv")
+    indices = _squeeze_heads(indices, rank, "indices")
     if batched:
-        B, T = q.shape[0], q.shape[1]
+        _require(kv.dim() == 3, f"batched kv must be [B, S, d_qk] or [B, S, 1, d_qk], got rank {kv.dim()}")
+        _require(indices.dim() == 3, f"batched indices must be [B, T, topk], got rank {indices.dim()}")
+        _require(
+            indices.dtype in INDEX_DTYPES,
+            f"indices must be an integer tensor (int32 or int64), got {indices.dtype}",
+        )
+        B, T, S = q.shape[0], q.shape[1], kv.shape[1]
         torch._check(
             indices.shape[0] == B and kv.shape[0] == B,
             lambda: "sparse_mla: batch size differs between q, kv and indices",
@@ -110,13 +105,15 @@ def sparse_mla(
             lambda: "sparse_mla: token count mismatch between q [B, T, H, d_qk] and indices [B, T, topk]",
         )
         offsets = (torch.arange(B, device=indices.device, dtype=indices.dtype) * S).view(B, 1, 1)
-        indices = torch.where(indices >= 0, indices + offsets, -1)
+        indices = _mask_invalid(indices, S)
+        indices = torch.where(indices >= 0, indices + offsets, -1).to(torch.int32)
         q = q.reshape(B * T, q.shape[2], d_qk)
         kv = kv.reshape(B * S, d_qk)
         indices = indices.reshape(B * T, indices.shape[-1])
         if topk_length is not None:
             topk_length = topk_length.reshape(B * T)
-    indices = indices.to(torch.int32)
+    elif indices.dtype == torch.int64 and kv.dim() == 2:
+        indices = _mask_invalid(indices, kv.shape[0]).to(torch.int32)
     if topk_length is not None and topk_length.dtype == torch.int64:
         topk_length = topk_length.clamp(0, indices.shape[-1]).to(torch.int32)
     out, lse = torch.ops.mla_inductor.sparse_mla(

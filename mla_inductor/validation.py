@@ -47,7 +47,8 @@ def check_forward_inputs(
     _check(kv.dtype == q.dtype, f"kv dtype {kv.dtype} differs from q dtype {q.dtype}")
     _check(
         indices.dtype == torch.int32,
-        f"indices must be int32 (int64 is accepted by mla_inductor.sparse_mla), got {indices.dtype}",
+        f"indices must be an integer tensor: int32 (int64 is accepted by mla_inductor.sparse_mla), "
+        f"got {indices.dtype}",
     )
     _check(
         q.shape[-1] == kv.shape[-1],

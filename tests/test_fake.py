@@ -39,10 +39,10 @@ def _bad_inputs():
     q, kv, idx = _good()
     return {
         "q rank": ((q[0], kv, idx), {}, "q must be"),
-        "kv rank": ((q, kv[None, None], idx), {}, "kv has rank"),
-        "indices rank": ((q, kv, idx[None, None]), {}, "indices has rank"),
-        "kv heads": ((q, torch.stack([kv, kv], 1), idx), {}, "one latent head"),
-        "index heads": ((q, kv, idx[:, None].expand(6, 4, 5)), {}, "shared by all query heads"),
+        "kv rank": ((q, kv[None, None], idx), {}, "kv must be"),
+        "indices rank": ((q, kv, idx[None, None]), {}, "indices must be"),
+        "kv heads": ((q, torch.stack([kv, kv], 1), idx), {}, "kv must have a head dimension of 1"),
+        "index heads": ((q, kv, idx[:, None].expand(6, 4, 5)), {}, "indices must have a head dimension of 1"),
         "d_qk": ((q, kv[:, :16], idx), {}, "mismatched d_qk"),
         "d_v > d_qk": ((q, kv, idx), {"d_v": 64}, "d_v (64) must be <= d_qk (32)"),
         "T mismatch": ((q, kv, idx[:4]), {}, "token count mismatch"),
@@ -82,7 +82,7 @@ def test_fake_kernel_checks_the_op_directly():
     q, kv, idx = _good()
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fq, fkv = mode.from_tensor(q), mode.from_tensor(kv)
-        with pytest.raises(RuntimeError, match="indices must be int32"):
+        with pytest.raises(RuntimeError, match="indices must be an integer tensor"):
             fwd(fq, fkv, mode.from_tensor(idx.long()), None, 0.1, 16, 0.0, False)
         with pytest.raises(RuntimeError, match="lse must be float32"):
             out = torch.empty(6, 4, 16, dtype=torch.bfloat16)

@@ -153,14 +153,12 @@ def test_dynamo_graph_keeps_the_entry_op_and_aot_graph_carries_the_literal(seen)
         normalize_gm(backend.graphs[0].print_readable(print_output=False)),
         """\
 class GraphModule(torch.nn.Module):
-    def forward(self, L_q_: "f32[8, 4, 32]", L_idx_: "i32[8, 6]", L_kv_: "f32[16, 32]"):
+    def forward(self, L_q_: "f32[8, 4, 32]", L_kv_: "f32[16, 32]", L_idx_: "i32[8, 6]"):
         l_q_ = L_q_
-        l_idx_ = L_idx_
         l_kv_ = L_kv_
+        l_idx_ = L_idx_
 
-        indices: "i32[8, 6]" = l_idx_.to(torch.int32);  l_idx_ = None
-
-        sparse_mla = torch.ops.mla_inductor.sparse_mla(l_q_, l_kv_, indices, None, 0.125, 16, None);  l_q_ = l_kv_ = indices = None
+        sparse_mla = torch.ops.mla_inductor.sparse_mla(l_q_, l_kv_, l_idx_, None, 0.125, 16, None);  l_q_ = l_kv_ = l_idx_ = None
         out: "f32[8, 4, 16]" = sparse_mla[0];  sparse_mla = None
         return (out,)
 """,
