@@ -54,7 +54,11 @@ def use_backend(name: str):
 
 
 def requested() -> str:
-    """The backend name in force: the innermost :func:`use_backend`, else the environment."""
+    """The backend name in force: the innermost :func:`use_backend`, else the environment.
+
+    Raises:
+        ValueError: when ``MLA_INDUCTOR_BACKEND`` names no backend.
+    """
     name = _override.get()
     if name is None:
         name = os.environ.get(ENV_VAR, "auto").strip() or "auto"
@@ -62,7 +66,11 @@ def requested() -> str:
 
 
 def module(name: str) -> ModuleType:
-    """The kernel module of a backend (``mla_inductor.kernels.<name>``)."""
+    """The kernel module of a backend (``mla_inductor.kernels.<name>``).
+
+    Raises:
+        ValueError: for an unknown name; ImportError when the module cannot be imported.
+    """
     return importlib.import_module(f"mla_inductor.kernels.{_check_name(name)}")
 
 

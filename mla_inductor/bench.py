@@ -24,6 +24,8 @@ MODES = {"exact": (0.0, False), "train": (0.0, True), "lazy": (8.0, False)}
 
 
 def make_indices(T: int, S: int, topk: int, pattern: str, generator: torch.Generator) -> torch.Tensor:
+    """``indices [T, topk]`` int32 on CUDA: ``random`` (uniform over S) or ``causal`` (token t at
+    position S - T + t, its own key in slot 0, -1 past its position)."""
     if pattern == "random":
         return torch.randint(0, S, (T, topk), device="cuda", dtype=torch.int32, generator=generator)
     pos = (S - T) + torch.arange(T, device="cuda")
@@ -67,6 +69,8 @@ def _time_ms(fn) -> float:
 
 
 def bench_fwd(Ts, Hs, topk, patterns=("random", "causal")):
+    """Prints the forward table (module docstring) for token counts ``Ts`` (S = 2T) and head
+    counts ``Hs`` at d_qk 576 / d_v 512, bf16. Exits with a message when sm90 cannot run here."""
     from mla_inductor.kernels import sm90
 
     ok, why = sm90.available()

@@ -464,6 +464,7 @@ def _run(cfg: Config, out: Callable[[str], None]) -> Report:
 
 
 def parse_args(argv=None) -> Config:
+    """The command line (``--help`` lists the flags) as a :class:`Config`."""
     d = Config()
     p = argparse.ArgumentParser(
         prog="python -m mla_inductor.demo",
@@ -496,6 +497,7 @@ def parse_args(argv=None) -> Config:
 
 
 def main(argv=None) -> int:
+    """Runs the demo; returns 1 (and says why on stderr) if the loss did not fall or a graph broke."""
     report = run(parse_args(argv))
     if not report.ok:
         print(

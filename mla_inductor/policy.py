@@ -31,6 +31,8 @@ _logged: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
 
 
 class Decision(NamedTuple):
+    """``rescale_threshold`` (log2 units) for one forward, whether a backward consumes it, and why."""
+
     rescale_threshold: float
     needs_backward: bool
     reason: str

@@ -67,13 +67,13 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from ..cache import KernelCache
+from . import SUPPORTED_DIMS
 from .fwd import target_arch
 
 _TILE_M = 64  # heads per CTA (wgmma M)
 _TILE_N = 64  # keys per block
 _CHUNK = 64  # columns per dQ / dKV chunk (one 128-byte swizzle atom of bf16)
 _NUM_THREADS = 256
-_SUPPORTED_DIMS = ((576, 512), (512, 512))
 _LOG2_E = math.log2(math.e)
 
 
@@ -557,8 +557,8 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     """
     T, H, d_qk = q.shape
     S = kv.shape[0]
-    if (d_qk, d_v) not in _SUPPORTED_DIMS:
-        raise ValueError(f"sm90 backward supports (d_qk, d_v) in {_SUPPORTED_DIMS}, got {(d_qk, d_v)}")
+    if (d_qk, d_v) not in SUPPORTED_DIMS:
+        raise ValueError(f"sm90 backward supports (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}")
     if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype or dout.dtype != q.dtype:
         raise ValueError(f"sm90 backward needs q, kv, dout of one dtype, bf16 or fp16; got "
                          f"{q.dtype}, {kv.dtype}, {dout.dtype}")
@@ -587,7 +587,12 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
 def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
     """Backend-protocol backward (see :mod:`mla_inductor.kernels`): returns ``(dq, dkv)``,
     ``dq [T, H, d_qk]`` in q's dtype and ``dkv [S, d_qk]`` in kv's dtype (fp32 accumulation,
-    empty slots never written)."""
+    empty slots never written).
+
+    Raises:
+        ValueError: as :func:`backward_into`.
+        CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
+    """
     dkv_accum = torch.zeros(kv.shape[0], q.shape[2], dtype=torch.float32, device=kv.device)
     dq = backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum)
     return dq, dkv_accum.to(kv.dtype)

@@ -76,6 +76,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.utils import LayoutEnum
 
 from ..cache import KernelCache
+from . import SUPPORTED_DIMS
 
 TILE_H = 64  # heads per CTA (wgmma M)
 TILE_N = 64  # gathered keys per block
@@ -131,8 +132,8 @@ class SparseMlaFwdSm90:
                  has_topk_length: bool):
         if dtype not in (BFloat16, Float16):
             raise TypeError(f"sm90 sparse-MLA forward supports bf16/fp16, got {dtype}")
-        if d_qk not in (512, 576) or d_v != 512:
-            raise ValueError(f"need d_qk in (512, 576) and d_v == 512, got {d_qk}/{d_v}")
+        if (d_qk, d_v) not in SUPPORTED_DIMS:
+            raise ValueError(f"need (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}")
         max_exp = 127 if dtype is BFloat16 else 15
         if not (0.0 <= rescale_threshold < max_exp):
             raise ValueError(f"rescale_threshold {rescale_threshold} would overflow p in {dtype}")
@@ -642,8 +643,8 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
     if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
         raise TypeError(f"sm90 forward: q and kv must both be bf16 or fp16, got {q.dtype}/{kv.dtype}")
     T, H, d_qk = q.shape
-    if d_qk not in (512, 576) or d_v != 512:
-        raise ValueError(f"sm90 forward: supports d_qk 512/576 with d_v 512, got {d_qk}/{d_v}")
+    if (d_qk, d_v) not in SUPPORTED_DIMS:
+        raise ValueError(f"sm90 forward: supports (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}")
     if not q.is_cuda:
         raise ValueError("sm90 forward: tensors must be on a CUDA device")
     if kv.shape[1] != d_qk or indices.shape[0] != T:
