@@ -2,6 +2,7 @@
 
     python -m mla_inductor.bench fwd [--T 4096 16384] [--H 128 64] [--topk 2048]
     python -m mla_inductor.bench bwd [--T 4096 16384] [--H 128 64] [--topk 2048] [--no-reference]
+    python -m mla_inductor.bench train [--T 4096 16384] [--H 128 64] [--topk 2048] [--skip-layer] [--skip-model]
 
 ``fwd``: the SM90 forward kernel (``mla_inductor.kernels.sm90``) for every T x H x index pattern
 (``random``: uniform over the S = 2T keys; ``causal``: token t sits at position T + t and draws
@@ -9,6 +10,7 @@ its keys from positions <= its own, its own key in slot 0) x mode (``exact`` = t
 ``train`` = 0.0 with o_lo, ``lazy`` = 8.0), next to a chunked PyTorch implementation measured
 in the same run (at the smallest T only: it is slow). TFLOPS = 2·T·H·topk·(d_qk + d_v) / time,
 time = median of ``triton.testing.do_bench`` (CUDA events). Prints a markdown table.
+``bwd`` and ``train``: see :mod:`mla_inductor.bench_bwd` and :mod:`mla_inductor.bench_train`.
 """
 
 from __future__ import annotations
@@ -50,16 +52,21 @@ def torch_forward(q, kv, indices, sm_scale, d_v=D_V, chunk=256):
     return out
 
 
-def _time_ms(fn) -> float:
+def time_ms(fn, grad_to_none=None) -> float:
+    """Median milliseconds of ``fn()`` by ``triton.testing.do_bench`` (CUDA events; ``.grad`` of
+    the tensors in ``grad_to_none`` reset before each call), or by 20 CUDA-event timings when
+    triton is not installed."""
     try:
         from triton.testing import do_bench
 
-        return do_bench(fn, warmup=25, rep=200, return_mode="median")
+        return do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median")
     except ImportError:
         fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
         for _ in range(20):
+            for t in grad_to_none or ():
+                t.grad = None
             start.record()
             fn()
             end.record()
@@ -93,13 +100,13 @@ def bench_fwd(Ts, Hs, topk, patterns=("random", "causal")):
                 times = {}
                 for mode, (thr, o_lo) in MODES.items():
                     fn = lambda: sm90.forward(q, kv, indices, None, sm_scale, D_V, thr, o_lo)  # noqa: E731
-                    times[mode] = _time_ms(fn)
+                    times[mode] = time_ms(fn)
                 for mode, ms in times.items():
                     ratio = f"{times['exact'] / times['lazy']:.3f}" if mode == "exact" else ""
                     print(f"| {T} | {H} | {pattern} | {mode} | {ms:.3f} | "
                           f"{flops / ms / 1e9:.0f} | {ratio} |")
                 if T == min(Ts):
-                    ms = _time_ms(lambda: torch_forward(q, kv, indices, sm_scale))
+                    ms = time_ms(lambda: torch_forward(q, kv, indices, sm_scale))
                     print(f"| {T} | {H} | {pattern} | torch (chunked) | {ms:.3f} | "
                           f"{flops / ms / 1e9:.0f} | |")
             del q
@@ -107,6 +114,7 @@ def bench_fwd(Ts, Hs, topk, patterns=("random", "causal")):
 
 
 def main(argv=None):
+    """``python -m mla_inductor.bench {fwd,bwd,train} ...`` (see the module docstring)."""
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
@@ -114,14 +122,17 @@ def main(argv=None):
         from .bench_bwd import main as bench_bwd
 
         return bench_bwd(argv[1:])
+    if argv[:1] == ["train"]:
+        from .bench_train import main as bench_train
+
+        return bench_train(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mla_inductor.bench")
-    parser.add_argument("what", choices=["fwd", "bwd"])
+    parser.add_argument("what", choices=["fwd", "bwd", "train"])
     parser.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--H", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--topk", type=int, default=2048)
     args = parser.parse_args(argv)
-    if args.what == "fwd":
-        bench_fwd(args.T, args.H, args.topk)
+    bench_fwd(args.T, args.H, args.topk)
 
 
 if __name__ == "__main__":
