@@ -17,31 +17,48 @@ Design (decisions, in the order they were taken)
   padded Q rows are zero-filled, padded output rows are never stored). Grid ``T * ceil(H/64)``
   on ``x``, the head tiles of one token adjacent so that they share the gathered rows in L2.
   64 heads is the wgmma M of one warpgroup and what every public Hopper sparse-MLA kernel uses.
-* Keys: blocks of 64 gathered rows (full ``d_qk`` width), walked from the LAST block to the
-  FIRST (as the kernels whose numerics we study do, so order-invariance tests bite).
-  ``topk`` need not be a multiple of 64: slots past ``topk`` are empty (predicated).
-* Warp specialisation, 3 warpgroups (384 threads), registers 56 / 232 / 216 via ``setmaxnreg``:
-  - WG0, producer: gathers Q once and then each KV block with 16-byte ``cp.async`` (8 threads
-    per 128-byte row segment, 4 passes of 16 rows, ``d_qk / 64`` segments per row), signalling
-    ``full[stage]`` with ``cp.async.mbarrier.arrive.noinc``; waits ``empty[stage]`` before reuse.
-  - WG1, softmax consumer: ``S = Q K^T`` (64x64, SS wgmma, k = d_qk in 16-wide steps over
-    64-column swizzled chunks), masks invalid slots, runs the online softmax (below), writes
-    the bf16 P tile and the per-row rescale factor to shared memory for WG2, and accumulates
-    ``O[:, :d_v/2] += P V[:, :d_v/2]`` with P from registers (RS wgmma, N = 256).
-  - WG2, second consumer: waits for P (named barrier per stage), rescales its half of O and
-    accumulates ``O[:, d_v/2:] += P V[:, d_v/2:]`` (SS wgmma, P from shared memory).
-  WG1 owns the running max and row sum alone, so the two consumers need no max exchange:
-  WG2 only receives WG1's per-row factor. A rescale whose factors are exactly 1 (no row max of
-  the thread moved) is skipped.
-* Stage release, the key to hiding the gather latency with only two stages: WG1 issues
-  ``S`` of block i, then ``wgmma.wait_group(1)`` (groups retire in order, so its ``P V`` of
-  block i-1 is done) and releases block i-1's stage while ``S`` still runs; WG2 waits for its
-  ``P V`` right after issuing it and releases at once. The producer loads each block's indices
-  before waiting for the free stage, so the index load latency hides behind that wait.
-* Shared memory (d_qk = 576): Q 72 KiB + 2 KV stages of 72 KiB = 216 KiB. Three stages do not
-  fit in 227 KiB, so the pipeline is double-buffered. The 8 KiB P tile of a stage lives in that
-  stage's RoPE columns (512:576), which only WG1's Q K^T reads and which are dead once that
-  product is complete (FlashMLA's trick). For d_qk = 512 the P tiles get their own 16 KiB.
+* Keys: blocks of 64 gathered rows (full ``d_qk`` width), taken in PAIRS (A, B) walked from the
+  LAST block to the FIRST: pair ``it`` is A = block ``2 n_pairs - 1 - 2 it``, B = the block
+  before it, and the running max sees A's block before B's (as a sequential walk from the end
+  would: the kernels whose numerics we study walk that way, so order-invariance tests bite).
+  ``topk`` need not be a multiple of 64 (slots past ``topk`` are empty) nor the block count
+  even: with an odd count the first A block lies wholly past ``n_valid`` and is all empty.
+* Warp specialisation, 3 warpgroups (384 threads), registers 56 / 224 / 224 via ``setmaxnreg``
+  (it only moves registers inside the launch allocation of 168 x 384: 168 - 56 = 2 (224 - 168);
+  asking for more than was released hangs the kernel):
+  - WG0, producer: gathers Q once (L2 evict_first policy) and then each KV block with 16-byte
+    ``cp.async.cg ... L2::cache_hint.L2::256B`` under an L2 evict_last policy (the rows are
+    read again by the other head tile and by other tokens); 8 threads per 128-byte row segment,
+    4 passes of 16 rows. Each stage (A's block = stage 0, B's = stage 1) is split in two
+    QUARTERS with their own full / empty mbarriers: side 0 = columns ``[0, d_v/2)`` (V's left
+    half), side 1 = ``[d_v/2, d_qk)`` (V's right half + RoPE). They are loaded in the order
+    they are needed and freed as early as their last reader allows: A-left (freed by A after
+    its own P V), B-right (freed by B after its own P V), A-right (freed by B after P_A V_R),
+    B-left (freed by A after P_B V_L). Both blocks' indices are loaded before the first wait.
+  - WG1 = consumer A, WG2 = consumer B, balanced (FlashMLA's split): each computes
+    ``S = Q K^T`` for its OWN block (64x64, SS wgmma, issued quarter by quarter as they land),
+    masks it, runs the softmax on it, and owns HALF of O's columns (A ``[:d_v/2]``, B
+    ``[d_v/2:]``), which it multiplies by both blocks' P: its own P from registers (RS wgmma,
+    N = 256), the other consumer's P from shared memory (SS wgmma).
+  The previous design (one softmax consumer doing S and half of P V, a second doing only the
+  other half of P V) left the softmax consumer on the critical path with ~3x the tensor work of
+  the other and no tensor work overlapping its softmax; with two symmetric consumers one's
+  softmax overlaps the other's products (exact 511 -> 543 TFLOPS, lazy 540 -> 561 on the H200,
+  T 4096, H 128, topk 2048).
+* Running max across the two consumers (per row, through shared memory and named barriers):
+  A folds its block max into the running max -> ``m_a``, publishes it (``BAR_MAX_A``), computes
+  ``P_A = exp2(x - m_a)``, rescales O and its row sum, and issues its own P V at once; B waits
+  for ``m_a``, folds its block in -> ``m_b`` (the pair's final max), publishes it
+  (``BAR_MAX_B``) and proceeds in ``m_b``. A then rescales its fp32 P, its O and row sum by
+  ``exp2(m_a - m_b)`` (skipped when 1), and stores P_A, now in ``m_b``, for B (``BAR_P_A``); B
+  stores P_B for A (``BAR_P_B``). Each consumer keeps its own partial row sum (over its own
+  blocks, in the shared max); the epilogue adds the two. A rescale whose factors are exactly 1
+  (no row max of the thread moved) is skipped. The running max starts at -1e30 (not -inf), so
+  no factor is ever NaN.
+* Shared memory (d_qk = 576): Q 72 KiB + 2 KV stages of 72 KiB + 8 KiB (P_B) = 224 KiB. P_A
+  lives in stage 0's RoPE columns (512:576), dead once A's Q K^T is complete (FlashMLA's trick;
+  its quarter is only refilled after B's P_A V is done). P_B cannot live in stage 1's RoPE: B
+  frees that quarter before A has read P_B. For d_qk = 512 both P tiles get their own 16 KiB.
   All tiles use the 128-byte-swizzled K-major wgmma layout (8 x 64 atoms stacked along rows,
   64-column chunks contiguous); V is the same buffer seen MN-major (transposed view).
 * Online softmax in the exp2 domain: ``x = s * sm_scale * log2(e)``. ``rescale_threshold`` is a
@@ -51,9 +68,10 @@ Design (decisions, in the order they were taken)
   p is fp32; the row sum accumulates the fp32 p; p is rounded to the input dtype for P V.
   Source: FlashAttention-4 ``softmax.py`` and the seed notes (docs/seed-notes.md).
 * Epilogue: ``out = O / row_sum`` rounded to the input dtype, ``o_lo = O / row_sum - out`` in
-  fp32, ``lse = (m + log2(row_sum)) * ln 2`` (written by WG1, rows ``h < H``). out and o_lo are
-  staged row-major (rows padded by 16 bytes where that fits) in the dead KV stages, then written
-  by all 256 consumer threads as coalesced 16-byte stores of whole rows ``h < H``.
+  fp32, ``lse = (m + log2(row_sum)) * ln 2`` (written by A, rows ``h < H``; -inf when the row
+  sum is 0). out and o_lo are staged row-major (rows padded by 16 bytes where that fits) in the
+  dead KV stages, then written by all 256 consumer threads as coalesced 16-byte stores of whole
+  rows ``h < H``.
 * One compiled kernel serves every ``T``, ``H``, ``S`` and ``topk`` (all symbolic); the compile
   key is (dtype, d_qk, d_v, threshold, o_lo, has topk_length). It is launched on torch's current
   stream through TVM-FFI.
@@ -72,7 +90,7 @@ import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import BFloat16, Boolean, Float16, Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
 from ..cache import KernelCache
@@ -80,19 +98,43 @@ from . import SUPPORTED_DIMS
 
 TILE_H = 64  # heads per CTA (wgmma M)
 TILE_N = 64  # gathered keys per block
-NUM_STAGES = 2
 NUM_THREADS = 384
-REGS_PRODUCER, REGS_SOFTMAX, REGS_PV = 56, 232, 216
-BAR_P_READY = 1  # named barriers 1, 2: P of stage 0 / 1 ready for WG2
-BAR_EPILOGUE = 3  # 1/row_sum published by WG1
-BAR_STAGED = 4  # output tile staged in shared memory / staging free again
+# setmaxnreg moves registers within the launch allocation (168 x 384): 168 - 56 = 2 x (224 - 168)
+REGS_PRODUCER, REGS_CONSUMER = 56, 224
+# named barriers (0 is __syncthreads); each one is shared by the two consumer warpgroups
+BAR_MAX_A = 1  # A's running max of the pair published (A arrives, B waits)
+BAR_MAX_B = 2  # the pair's final running max published (B arrives, A waits)
+BAR_P_A = 3  # A's P (rescaled to the final max) in shared memory
+BAR_P_B = 4  # B's P in shared memory
+BAR_EPILOGUE = 5  # partial row sums exchanged
+BAR_STAGED = 6  # output tile staged in shared memory / staging free again
 LN2 = math.log(2.0)
 LOG2E = math.log2(math.e)
+MAX_INIT = -1.0e30  # finite "minus infinity" of the running max: exp2(MAX_INIT - x) is 0, never NaN
 
 
 @dsl_user_op
-def _cp_async_16(dst_smem_addr: Int32, src_gmem_addr: Int64, valid: Boolean, *, loc=None, ip=None):
-    """16-byte ``cp.async.cg`` whose source size is 0 (pure zero-fill, no read) when not valid."""
+def _create_policy(evict_last: bool, *, loc=None, ip=None) -> Int64:
+    """An L2 cache policy (``createpolicy.fractional``, fraction 1.0): evict_last or evict_first."""
+    kind = "evict_last" if evict_last else "evict_first"
+    return Int64(
+        llvm.inline_asm(
+            T.i64(),
+            [],
+            f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;",
+            "=l",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
+
+@dsl_user_op
+def _cp_async_16(dst_smem_addr: Int32, src_gmem_addr: Int64, valid: Boolean, policy: Int64, *,
+                 loc=None, ip=None):
+    """16-byte ``cp.async.cg`` with an L2 cache policy and a 256-byte L2 prefetch hint; its source
+    size is 0 (pure zero-fill, no read) when not valid."""
     src_size = cutlass.select_(valid, Int32(16), Int32(0))
     llvm.inline_asm(
         None,
@@ -100,9 +142,10 @@ def _cp_async_16(dst_smem_addr: Int32, src_gmem_addr: Int64, valid: Boolean, *, 
             Int32(dst_smem_addr).ir_value(loc=loc, ip=ip),
             Int64(src_gmem_addr).ir_value(loc=loc, ip=ip),
             Int32(src_size).ir_value(loc=loc, ip=ip),
+            Int64(policy).ir_value(loc=loc, ip=ip),
         ],
-        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-        "r,l,r",
+        "cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, $2, $3;",
+        "r,l,r,l",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -144,25 +187,26 @@ class SparseMlaFwdSm90:
         self.has_o_lo = has_o_lo
         self.has_topk_length = has_topk_length
         self.n_chunks = d_qk // 64
-        self.p_in_rope = d_qk - d_v >= 64  # P tile lives in the (dead) last RoPE chunk
+        self.p_in_rope = d_qk - d_v >= 64  # A's P tile lives in the (dead) RoPE chunk of stage 0
         self.stage_elems = TILE_N * d_qk
         self.d_half = d_v // 2
+        self.half_chunks = self.d_half // 64  # 64-column chunks of the left quarter (= V_L)
+        self.n_p_tiles = 1 if self.p_in_rope else 2  # P tiles with their own shared memory
 
     def _layouts(self):
         atom = warpgroup.make_smem_layout_atom(
             sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, 64), self.dtype
         )
         sQ = cute.tile_to_shape(atom, (TILE_H, self.d_qk), order=(0, 1))
-        sKV = cute.tile_to_shape(atom, (TILE_N, self.d_qk, NUM_STAGES), order=(0, 1, 2))
-        sP = cute.tile_to_shape(atom, (TILE_H, TILE_N, NUM_STAGES), order=(0, 1, 2))
+        sKV = cute.tile_to_shape(atom, (TILE_N, self.d_qk, 2), order=(0, 1, 2))
+        sP = cute.tile_to_shape(atom, (TILE_H, TILE_N, self.n_p_tiles), order=(0, 1, 2))
         return sQ, sKV, sP
 
     def _smem_bytes(self):
         e = self.dtype.width // 8
-        n = TILE_H * self.d_qk * e + NUM_STAGES * self.stage_elems * e
-        if not self.p_in_rope:
-            n += NUM_STAGES * TILE_H * TILE_N * e
-        return n + (NUM_STAGES + 1) * TILE_H * 4 + 8 * 8 + 4 * 1024
+        n = TILE_H * self.d_qk * e + 2 * self.stage_elems * e + self.n_p_tiles * TILE_H * TILE_N * e
+        # sMa, sMb, sL (2 x 64 fp32) and 9 mbarriers, each 16-byte aligned, plus slack
+        return n + 4 * TILE_H * 4 + 9 * 8 + 512
 
     @cute.jit
     def __call__(
@@ -236,41 +280,52 @@ class SparseMlaFwdSm90:
         if const_expr(self.has_topk_length):
             n_valid = cutlass.max(cutlass.min(mTopkLen[t], topk), Int32(0))
         n_blocks = (n_valid + TILE_N - 1) // TILE_N
+        # blocks go in pairs (A, B) = (2 n_pairs - 1 - 2 it, 2 n_pairs - 2 - 2 it); with an odd
+        # block count the first A block lies past n_valid: all its slots are empty
+        n_pairs = (n_blocks + 1) // 2
 
         # ---- shared memory ----
         smem = cutlass.memory.SmemAllocator()
         sQ = smem.allocate_tensor(self.dtype, sQ_layout.outer, 1024, swizzle=sQ_layout.inner)
         sKV = smem.allocate_tensor(self.dtype, sKV_layout.outer, 1024, swizzle=sKV_layout.inner)
+        sP_own = smem.allocate_tensor(self.dtype, sP_layout.outer, 1024, swizzle=sP_layout.inner)
         if const_expr(self.p_in_rope):
-            # P of stage s = columns [d_qk - 64, d_qk) of KV stage s, as a (64 heads, 64 keys) tile
-            sP = cute.composition(
+            # A's P = columns [d_qk - 64, d_qk) of KV stage 0, as a (64 heads, 64 keys) tile
+            sP_a = cute.composition(
                 sKV,
                 cute.make_layout(
-                    (TILE_H, (TILE_N, self.n_chunks), NUM_STAGES),
+                    (TILE_H, (TILE_N, self.n_chunks), 2),
                     stride=(1, (TILE_N, TILE_N * 64), TILE_N * self.d_qk),
                 ),
             )[None, (None, self.n_chunks - 1), None]
+            sP_b = sP_own
+            pa_idx, pb_idx = 0, 0
         else:
-            sP = smem.allocate_tensor(self.dtype, sP_layout.outer, 1024, swizzle=sP_layout.inner)
+            sP_a = sP_own
+            sP_b = sP_own
+            pa_idx, pb_idx = 0, 1
         # V^T of each stage, split in the two d_v halves: (d_half, keys, stage)
         sVt_all = cute.composition(
             sKV,
             cute.make_layout(
-                ((self.d_half, 2), TILE_N, NUM_STAGES),
+                ((self.d_half, 2), TILE_N, 2),
                 stride=((TILE_N, TILE_N * self.d_half), 1, TILE_N * self.d_qk),
             ),
         )
-        sScale = smem.allocate_tensor(Float32, cute.make_layout((TILE_H, NUM_STAGES)), 16)
-        sInv = smem.allocate_tensor(Float32, cute.make_layout((TILE_H,)), 16)
-        mbar = smem.allocate_array(Int64, 2 * NUM_STAGES + 1)
+        sMa = smem.allocate_tensor(Float32, cute.make_layout((TILE_H,)), 16)
+        sMb = smem.allocate_tensor(Float32, cute.make_layout((TILE_H,)), 16)
+        sL = smem.allocate_tensor(Float32, cute.make_layout((TILE_H, 2)), 16)
+        # full[q] / empty[q], q = 2 * stage + side; side 0 = columns [0, d_v/2) (= V_L),
+        # side 1 = columns [d_v/2, d_qk) (V_R and the RoPE part)
+        mbar = smem.allocate_array(Int64, 9)
         mbar_full = mbar
-        mbar_empty = mbar + NUM_STAGES
-        mbar_q = mbar + 2 * NUM_STAGES
+        mbar_empty = mbar + 4
+        mbar_q = mbar + 8
 
         if tidx == 0:
-            for s in cutlass.range_constexpr(NUM_STAGES):
-                cute.arch.mbarrier_init(mbar_full + s, 128)
-                cute.arch.mbarrier_init(mbar_empty + s, 256)
+            for q in cutlass.range_constexpr(4):
+                cute.arch.mbarrier_init(mbar_full + q, 128)
+                cute.arch.mbarrier_init(mbar_empty + q, 128)
             cute.arch.mbarrier_init(mbar_q, 128)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -285,228 +340,330 @@ class SparseMlaFwdSm90:
             q_base = mQ.iterator.toint()
             kv_base = mKV.iterator.toint()
             elem = self.dtype.width // 8
+            row_bytes = self.d_qk * elem
+            keep = _create_policy(True)  # KV rows: read by both head tiles and many tokens
+            stream_once = _create_policy(False)  # Q: read once
             for p in cutlass.range_constexpr(TILE_H // 16):
                 r = p * 16 + row_in_pass
                 ok = h0 + r < num_heads
-                src = q_base + (Int64(t) * num_heads + h0 + r) * (self.d_qk * elem)
+                src = q_base + (Int64(t) * num_heads + h0 + r) * row_bytes
                 src = cutlass.select_(ok, src, q_base)
                 for c in cutlass.range_constexpr(self.n_chunks):
                     _cp_async_16(
                         sQ_addr + _sw128_offset_bytes(r, vec, c),
                         src + (c * 64 + vec * 8) * elem,
                         ok,
+                        stream_once,
                     )
             cute.arch.cp_async_mbarrier_arrive_noinc(mbar_q)
-            for it in cutlass.range(n_blocks, unroll=1):
-                blk = n_blocks - 1 - it
-                stage = it % NUM_STAGES
-                # the index loads are issued before the wait, so their latency hides behind it
-                rows_idx = cute.make_rmem_tensor((TILE_N // 16,), Int32)
-                for p in cutlass.range_constexpr(TILE_N // 16):
-                    j = blk * TILE_N + p * 16 + row_in_pass
-                    idx = Int32(-1)
-                    if j < n_valid:
-                        idx = mIdx[t, j]
-                    rows_idx[p] = idx
-                cute.arch.mbarrier_wait(mbar_empty + stage, ((it // NUM_STAGES) & 1) ^ 1)
-                stage_addr = sKV_addr + stage * (self.stage_elems * elem)
-                for p in cutlass.range_constexpr(TILE_N // 16):
-                    r = p * 16 + row_in_pass
-                    idx = rows_idx[p]
-                    ok = (idx >= 0) & (idx < seqlen_kv)
-                    src = kv_base + Int64(idx) * (self.d_qk * elem)
-                    src = cutlass.select_(ok, src, kv_base)
-                    for c in cutlass.range_constexpr(self.n_chunks):
-                        _cp_async_16(
-                            stage_addr + _sw128_offset_bytes(r, vec, c),
-                            src + (c * 64 + vec * 8) * elem,
-                            ok,
-                        )
-                cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + stage)
+            for it in cutlass.range(n_pairs, unroll=1):
+                blk_a = 2 * n_pairs - 1 - 2 * it
+                # both blocks' indices are loaded before the first wait, hiding their latency
+                rows_idx = cute.make_rmem_tensor((2 * (TILE_N // 16),), Int32)
+                for b in cutlass.range_constexpr(2):
+                    for p in cutlass.range_constexpr(TILE_N // 16):
+                        j = (blk_a - b) * TILE_N + p * 16 + row_in_pass
+                        idx = Int32(-1)
+                        if j < n_valid:
+                            idx = mIdx[t, j]
+                        rows_idx[b * (TILE_N // 16) + p] = idx
+                # quarters in the order the consumers need them: A's V_L (its S starts there and
+                # its own P V reads it), B's right part (its S starts there), A's right part,
+                # B's V_L (A's last product of the pair)
+                for b, side in ((0, 0), (1, 1), (0, 1), (1, 0)):
+                    q = 2 * b + side
+                    cute.arch.mbarrier_wait(mbar_empty + q, (it & 1) ^ 1)
+                    stage_addr = sKV_addr + b * (self.stage_elems * elem)
+                    c_lo = 0 if side == 0 else self.half_chunks
+                    c_hi = self.half_chunks if side == 0 else self.n_chunks
+                    for p in cutlass.range_constexpr(TILE_N // 16):
+                        r = p * 16 + row_in_pass
+                        idx = rows_idx[b * (TILE_N // 16) + p]
+                        ok = (idx >= 0) & (idx < seqlen_kv)
+                        src = kv_base + Int64(idx) * row_bytes
+                        src = cutlass.select_(ok, src, kv_base)
+                        for c in cutlass.range_constexpr(c_lo, c_hi):
+                            _cp_async_16(
+                                stage_addr + _sw128_offset_bytes(r, vec, c),
+                                src + (c * 64 + vec * 8) * elem,
+                                ok,
+                                keep,
+                            )
+                    cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + q)
             _cp_async_wait_all()
 
-        elif wg == 1:
-            # ================= softmax consumer: S, softmax, O[:, :d_v/2] =================
-            cute.arch.setmaxregister_increase(REGS_SOFTMAX)
-            ct = tidx - 128
+        else:
+            # ================= consumers: A (wg 1, stage 0) and B (wg 2, stage 1) =============
+            cute.arch.setmaxregister_increase(REGS_CONSUMER)
+            ct = tidx % 128
             lane = ct % 32
             thr_qk = tiled_mma_qk.get_slice(ct)
             tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
             tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sKV))
             acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((TILE_H, TILE_N)), Float32)
             tScS = thr_qk.partition_C(cute.make_identity_tensor((TILE_H, TILE_N)))
-            tSsP = thr_qk.partition_C(sP)
             row0 = tScS[0][0]
             row1 = tScS[2][0]
 
-            thr_pv = tiled_mma_pv_rs.get_slice(ct)
-            sVt = sVt_all[(None, 0), None, None]
-            tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
-            acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_H, self.d_half)), Float32)
+            thr_rs = tiled_mma_pv_rs.get_slice(ct)
+            thr_ss = tiled_mma_pv_ss.get_slice(ct)
+            acc_O = cute.make_rmem_tensor(thr_rs.partition_shape_C((TILE_H, self.d_half)), Float32)
             acc_O.fill(0.0)
-            tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((TILE_H, TILE_N)))
+            tOrP = thr_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_H, TILE_N)))
             # acc_S seen with the A-fragment layout: (2 cols, 2 rows, 2 col groups), k blocks of 16
             acc_S_as_A = cute.make_tensor(acc_S.iterator, tOrP.layout)
             tOrP_as_C = cute.make_tensor(tOrP.iterator, acc_S.layout)
 
             row_max = cute.make_rmem_tensor((2,), Float32)
             row_sum = cute.make_rmem_tensor((2,), Float32)
-            row_max.fill(-Float32.inf)
+            m_pair = cute.make_rmem_tensor((2,), Float32)
+            bmax = cute.make_rmem_tensor((2,), Float32)
+            psum = cute.make_rmem_tensor((2,), Float32)
+            row_max.fill(MAX_INIT)
             row_sum.fill(0.0)
             valid = cute.make_rmem_tensor((16,), Boolean)
-            mma_qk = cute.make_mma_atom(tiled_mma_qk.op)
-            mma_pv = cute.make_mma_atom(tiled_mma_pv_rs.op)
+            mma_rs = cute.make_mma_atom(tiled_mma_pv_rs.op)
+            mma_ss = cute.make_mma_atom(tiled_mma_pv_ss.op)
+            mma_rs.set(warpgroup.Field.ACCUMULATE, True)
+            mma_ss.set(warpgroup.Field.ACCUMULATE, True)
 
             cute.arch.mbarrier_wait(mbar_q, 0)
             cute.arch.fence_view_async_shared()
-            for it in cutlass.range(n_blocks, unroll=1):
-                blk = n_blocks - 1 - it
-                stage = it % NUM_STAGES
-                # validity of this thread's 16 columns (loaded before the data wait)
-                for v in cutlass.range_constexpr(16):
-                    i = (v % 2) + 4 * (v // 2)
-                    j = blk * TILE_N + tScS[i][1]
-                    idx = Int32(-1)
-                    if j < n_valid:
-                        idx = mIdx[t, j]
-                    valid[v] = (idx >= 0) & (idx < seqlen_kv)
-                cute.arch.mbarrier_wait(mbar_full + stage, (it // NUM_STAGES) & 1)
-                cute.arch.fence_view_async_shared()  # cp.async (generic proxy) -> wgmma reads
-                warpgroup.fence()
-                mma_qk.set(warpgroup.Field.ACCUMULATE, False)
-                for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
-                    cute.gemm(mma_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
-                    mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-                warpgroup.commit_group()
-                if it > 0:
-                    # groups complete in order: our P V of the previous block is done once at
-                    # most this S is pending, so its stage can be refilled while S runs
+
+            if wg == 1:
+                # ---- A: S of the pair's first block (stage 0), O[:, :d_v/2] ----
+                tOrV_rs = thr_rs.make_fragment_B(thr_rs.partition_B(sVt_all[(None, 0), None, None]))
+                tOrV_ss = thr_ss.make_fragment_B(thr_ss.partition_B(sVt_all[(None, 0), None, None]))
+                tSsP = thr_qk.partition_C(sP_a)[None, None, None, pa_idx]  # own P, for B
+                tOsP = thr_ss.make_fragment_A(thr_ss.partition_A(sP_b))  # B's P
+                for it in cutlass.range(n_pairs, unroll=1):
+                    phase = it & 1
+                    self._load_valid(valid, mIdx, t, 2 * n_pairs - 1 - 2 * it, tScS, n_valid,
+                                     seqlen_kv)
+                    cute.arch.mbarrier_wait(mbar_full + 0, phase)
+                    cute.arch.fence_view_async_shared()  # cp.async (generic proxy) -> wgmma
+                    warpgroup.fence()
+                    self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 0, 0, self.half_chunks)
+                    warpgroup.commit_group()
+                    if it > 0:
+                        # the previous pair's B-P x V_L is done: B's left quarter is free
+                        warpgroup.wait_group(1)
+                        cute.arch.mbarrier_arrive(mbar_empty + 2)
+                    cute.arch.mbarrier_wait(mbar_full + 1, phase)
+                    cute.arch.fence_view_async_shared()
+                    warpgroup.fence()
+                    self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 0, self.half_chunks, self.n_chunks, False)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+
+                    # softmax of the own block against the running max, max published to B
+                    self._mask_rowmax(acc_S, valid, bmax, scale_log2)
+                    m_pair[0] = self._new_max(row_max[0], bmax[0])
+                    m_pair[1] = self._new_max(row_max[1], bmax[1])
+                    if lane % 4 == 0:
+                        sMa[row0] = m_pair[0]
+                        sMa[row1] = m_pair[1]
+                    cute.arch.barrier_arrive(barrier_id=BAR_MAX_A, number_of_threads=256)
+                    c0 = cute.math.exp2(row_max[0] - m_pair[0], fastmath=True)
+                    c1 = cute.math.exp2(row_max[1] - m_pair[1], fastmath=True)
+                    self._exp_rows(acc_S, m_pair, psum, scale_log2)
+                    row_sum[0] = row_sum[0] * c0 + psum[0]
+                    row_sum[1] = row_sum[1] * c1 + psum[1]
+                    if (c0 != 1.0) | (c1 != 1.0):
+                        self._rescale(acc_O, c0, c1)
+                    tOrP.store(acc_S_as_A.load().to(self.dtype))
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+                        cute.gemm(mma_rs, acc_O, tOrP[None, None, k], tOrV_rs[None, None, k, 0],
+                                  acc_O)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(mbar_empty + 0)  # own V_L free
+
+                    # the pair's final max (B folded its block in): rescale own P, O, row sum
+                    cute.arch.barrier(barrier_id=BAR_MAX_B, number_of_threads=256)
+                    mb0 = sMb[row0]
+                    mb1 = sMb[row1]
+                    d0 = cute.math.exp2(m_pair[0] - mb0, fastmath=True)
+                    d1 = cute.math.exp2(m_pair[1] - mb1, fastmath=True)
+                    row_max[0] = mb0
+                    row_max[1] = mb1
+                    if (d0 != 1.0) | (d1 != 1.0):
+                        self._rescale(acc_S, d0, d1)
+                        tOrP.store(acc_S_as_A.load().to(self.dtype))
+                        row_sum[0] = row_sum[0] * d0
+                        row_sum[1] = row_sum[1] * d1
+                        self._rescale(acc_O, d0, d1)
+                    tSsP.store(tOrP_as_C.load())
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier_arrive(barrier_id=BAR_P_A, number_of_threads=256)
+
+                    # O[:, :d_v/2] += P_B V_B[:, :d_v/2]
+                    cute.arch.barrier(barrier_id=BAR_P_B, number_of_threads=256)
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(cute.size(tOsP.shape[2])):
+                        cute.gemm(mma_ss, acc_O, tOsP[None, None, k, pb_idx],
+                                  tOrV_ss[None, None, k, 1], acc_O)
+                    warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                self._epilogue(0, acc_O, row_max, row_sum, psum, sL, thr_rs, sKV, mO, mLSE, mOlo,
+                               t, h0, num_heads, row0, row1, lane, ct)
+            else:
+                # ---- B: S of the pair's second block (stage 1), O[:, d_v/2:] ----
+                tOrV_rs = thr_rs.make_fragment_B(thr_rs.partition_B(sVt_all[(None, 1), None, None]))
+                tOrV_ss = thr_ss.make_fragment_B(thr_ss.partition_B(sVt_all[(None, 1), None, None]))
+                tSsP = thr_qk.partition_C(sP_b)[None, None, None, pb_idx]  # own P, for A
+                tOsP = thr_ss.make_fragment_A(thr_ss.partition_A(sP_a))  # A's P
+                for it in cutlass.range(n_pairs, unroll=1):
+                    phase = it & 1
+                    self._load_valid(valid, mIdx, t, 2 * n_pairs - 2 - 2 * it, tScS, n_valid,
+                                     seqlen_kv)
+                    cute.arch.mbarrier_wait(mbar_full + 3, phase)
+                    cute.arch.fence_view_async_shared()
+                    warpgroup.fence()
+                    self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 1, self.half_chunks, self.n_chunks)
+                    cute.arch.mbarrier_wait(mbar_full + 2, phase)
+                    cute.arch.fence_view_async_shared()
+                    warpgroup.fence()
+                    self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 1, 0, self.half_chunks, False)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+
+                    self._mask_rowmax(acc_S, valid, bmax, scale_log2)
+                    cute.arch.barrier(barrier_id=BAR_MAX_A, number_of_threads=256)
+                    m_pair[0] = self._new_max(sMa[row0], bmax[0])
+                    m_pair[1] = self._new_max(sMa[row1], bmax[1])
+                    if lane % 4 == 0:
+                        sMb[row0] = m_pair[0]
+                        sMb[row1] = m_pair[1]
+                    cute.arch.barrier_arrive(barrier_id=BAR_MAX_B, number_of_threads=256)
+                    c0 = cute.math.exp2(row_max[0] - m_pair[0], fastmath=True)
+                    c1 = cute.math.exp2(row_max[1] - m_pair[1], fastmath=True)
+                    row_max[0] = m_pair[0]
+                    row_max[1] = m_pair[1]
+                    self._exp_rows(acc_S, m_pair, psum, scale_log2)
+                    row_sum[0] = row_sum[0] * c0 + psum[0]
+                    row_sum[1] = row_sum[1] * c1 + psum[1]
+                    if (c0 != 1.0) | (c1 != 1.0):
+                        self._rescale(acc_O, c0, c1)
+                    tOrP.store(acc_S_as_A.load().to(self.dtype))
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+                        cute.gemm(mma_rs, acc_O, tOrP[None, None, k], tOrV_rs[None, None, k, 1],
+                                  acc_O)
+                    warpgroup.commit_group()
+                    # own P to shared memory for A while the product runs
+                    tSsP.store(tOrP_as_C.load())
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.barrier_arrive(barrier_id=BAR_P_B, number_of_threads=256)
+
+                    # O[:, d_v/2:] += P_A V_A[:, d_v/2:]
+                    cute.arch.barrier(barrier_id=BAR_P_A, number_of_threads=256)
+                    warpgroup.fence()
+                    for k in cutlass.range_constexpr(cute.size(tOsP.shape[2])):
+                        cute.gemm(mma_ss, acc_O, tOsP[None, None, k, pa_idx],
+                                  tOrV_ss[None, None, k, 0], acc_O)
+                    warpgroup.commit_group()
                     warpgroup.wait_group(1)
-                    cute.arch.mbarrier_arrive(mbar_empty + (1 - stage))
-                warpgroup.wait_group(0)
-
-                # ---- online softmax (exp2 domain) ----
-                bmax0 = -Float32.inf
-                bmax1 = -Float32.inf
-                for i in cutlass.range_constexpr(cute.size(acc_S)):
-                    v = (i % 2) + 2 * (i // 4)
-                    s = cutlass.select_(valid[v], acc_S[i], -Float32.inf)
-                    acc_S[i] = s
-                    if const_expr((i // 2) % 2 == 0):
-                        bmax0 = cute.arch.fmax(bmax0, s)
-                    else:
-                        bmax1 = cute.arch.fmax(bmax1, s)
-                bmax = [bmax0, bmax1]
-                m_use = [Float32(0.0), Float32(0.0)]
-                acc_scale = [Float32(1.0), Float32(1.0)]
-                for r in cutlass.range_constexpr(2):
-                    bm = bmax[r]
-                    bm = cute.arch.fmax(bm, cute.arch.shuffle_sync_bfly(bm, offset=1))
-                    bm = cute.arch.fmax(bm, cute.arch.shuffle_sync_bfly(bm, offset=2))
-                    bm = bm * scale_log2
-                    m_old = row_max[r]
-                    if const_expr(self.threshold == 0.0):
-                        m_new = cute.arch.fmax(m_old, bm)
-                    else:
-                        m_new = cutlass.select_(bm - m_old > self.threshold, bm, m_old)
-                    mu = cutlass.select_(m_new == -Float32.inf, Float32(0.0), m_new)
-                    acc_scale[r] = cute.math.exp2(m_old - mu, fastmath=True)
-                    m_use[r] = mu
-                    row_max[r] = m_new
-                rs0 = row_sum[0] * acc_scale[0]
-                rs1 = row_sum[1] * acc_scale[1]
-                for i in cutlass.range_constexpr(cute.size(acc_S)):
-                    if const_expr((i // 2) % 2 == 0):
-                        p = cute.math.exp2(acc_S[i] * scale_log2 - m_use[0], fastmath=True)
-                        rs0 = rs0 + p
-                    else:
-                        p = cute.math.exp2(acc_S[i] * scale_log2 - m_use[1], fastmath=True)
-                        rs1 = rs1 + p
-                    acc_S[i] = p
-                row_sum[0] = rs0
-                row_sum[1] = rs1
-                tOrP.store(acc_S_as_A.load().to(self.dtype))
-                # hand P and the row factors to WG2
-                tSsP_stage = tSsP[None, None, None, stage]
-                tSsP_stage.store(tOrP_as_C.load())
-                if lane % 4 == 0:
-                    sScale[row0, stage] = acc_scale[0]
-                    sScale[row1, stage] = acc_scale[1]
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier_arrive(barrier_id=BAR_P_READY + stage, number_of_threads=256)
-                # O[:, :d_v/2] = O * acc_scale + P V (the rescale is skipped when both factors
-                # are exactly 1, i.e. neither of this thread's row maxima moved)
-                if (acc_scale[0] != 1.0) | (acc_scale[1] != 1.0):
-                    self._rescale(acc_O, acc_scale[0], acc_scale[1])
-                warpgroup.fence()
-                mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-                for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                    cute.gemm(mma_pv, acc_O, tOrP[None, None, k], tOrV[None, None, k, stage], acc_O)
-                warpgroup.commit_group()
-            warpgroup.wait_group(0)
-
-            # ---- epilogue: row sums, lse, 1/row_sum for WG2 ----
-            inv = [Float32(0.0), Float32(0.0)]
-            rows = [row0, row1]
-            for r in cutlass.range_constexpr(2):
-                rs = row_sum[r]
-                rs = rs + cute.arch.shuffle_sync_bfly(rs, offset=1)
-                rs = rs + cute.arch.shuffle_sync_bfly(rs, offset=2)
-                m = row_max[r]
-                mu = cutlass.select_(m == -Float32.inf, Float32(0.0), m)
-                has = rs > 0.0
-                inv[r] = cutlass.select_(has, 1.0 / rs, Float32(0.0))
-                lse = cutlass.select_(has, mu * LN2 + cute.math.log(rs), -Float32.inf)
-                if lane % 4 == 0:
-                    sInv[rows[r]] = inv[r]
-                    if h0 + rows[r] < num_heads:
-                        mLSE[t, h0 + rows[r]] = lse
-            cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=256)
-            self._store_o(acc_O, thr_pv, sKV, mO, mOlo, t, h0, num_heads, 0, inv, ct)
-
-        else:
-            # ================= second consumer: O[:, d_v/2:] =================
-            cute.arch.setmaxregister_increase(REGS_PV)
-            ct = tidx - 256
-            thr_pv = tiled_mma_pv_ss.get_slice(ct)
-            sVt = sVt_all[(None, 1), None, None]
-            tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sVt))
-            tOsP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))
-            acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((TILE_H, self.d_half)), Float32)
-            acc_O.fill(0.0)
-            tOcO = thr_pv.partition_C(cute.make_identity_tensor((TILE_H, self.d_half)))
-            row0 = tOcO[0][0]
-            row1 = tOcO[2][0]
-            mma_pv = cute.make_mma_atom(tiled_mma_pv_ss.op)
-            for it in cutlass.range(n_blocks, unroll=1):
-                stage = it % NUM_STAGES
-                cute.arch.mbarrier_wait(mbar_full + stage, (it // NUM_STAGES) & 1)
-                cute.arch.fence_view_async_shared()
-                cute.arch.barrier(barrier_id=BAR_P_READY + stage, number_of_threads=256)
-                sc0 = sScale[row0, stage]
-                sc1 = sScale[row1, stage]
-                if (sc0 != 1.0) | (sc1 != 1.0):
-                    self._rescale(acc_O, sc0, sc1)
-                warpgroup.fence()
-                mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-                for k in cutlass.range_constexpr(cute.size(tOsP.shape[2])):
-                    cute.gemm(mma_pv, acc_O, tOsP[None, None, k, stage], tOrV[None, None, k, stage], acc_O)
-                warpgroup.commit_group()
-                # nothing else to do until the next P: wait and release the stage at once
-                warpgroup.wait_group(0)
-                cute.arch.mbarrier_arrive(mbar_empty + stage)
-            cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=256)
-            inv = [sInv[row0], sInv[row1]]
-            self._store_o(acc_O, thr_pv, sKV, mO, mOlo, t, h0, num_heads, 1, inv, ct + 128)
+                    cute.arch.mbarrier_arrive(mbar_empty + 3)  # own right quarter free
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(mbar_empty + 1)  # A's right quarter (+ its P) free
+                self._epilogue(1, acc_O, row_max, row_sum, psum, sL, thr_rs, sKV, mO, mLSE, mOlo,
+                               t, h0, num_heads, row0, row1, lane, ct)
 
     @cute.jit
-    def _rescale(self, acc_O, scale0, scale1):
-        """Multiplies this thread's two accumulator rows by their factors."""
-        for i in cutlass.range_constexpr(cute.size(acc_O)):
+    def _epilogue(self, role: cutlass.Constexpr, acc_O, row_max, row_sum, psum, sL, thr_rs, sKV,
+                  mO, mLSE, mOlo, t, h0, num_heads, row0, row1, lane, ct):
+        """Row sums of both consumers combined, lse (written by A), then out / o_lo."""
+        inv = [Float32(0.0), Float32(0.0)]
+        rows = [row0, row1]
+        for r in cutlass.range_constexpr(2):
+            rs = row_sum[r]
+            rs = rs + cute.arch.shuffle_sync_bfly(rs, offset=1)
+            rs = rs + cute.arch.shuffle_sync_bfly(rs, offset=2)
+            psum[r] = rs
+            if lane % 4 == 0:
+                sL[rows[r], role] = rs
+        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=256)
+        for r in cutlass.range_constexpr(2):
+            rs = psum[r] + sL[rows[r], 1 - role]
+            has = rs > 0.0
+            inv[r] = cutlass.select_(has, 1.0 / rs, Float32(0.0))
+            if const_expr(role == 0):
+                lse = cutlass.select_(has, row_max[r] * LN2 + cute.math.log(rs), -Float32.inf)
+                if lane % 4 == 0:
+                    if h0 + rows[r] < num_heads:
+                        mLSE[t, h0 + rows[r]] = lse
+        self._store_o(acc_O, thr_rs, sKV, mO, mOlo, t, h0, num_heads, role, inv, ct + 128 * role)
+
+    def _new_max(self, m_old, bm):
+        """Running-max update for a block whose scaled max is ``bm`` (the rescale_threshold rule)."""
+        if self.threshold == 0.0:
+            return cute.arch.fmax(m_old, bm)
+        return cutlass.select_(bm - m_old > self.threshold, bm, m_old)
+
+    @cute.jit
+    def _load_valid(self, valid, mIdx, t, blk, tScS, n_valid, seqlen_kv):
+        """Validity of this thread's 16 key columns of block ``blk`` (read from the indices)."""
+        for v in cutlass.range_constexpr(16):
+            i = (v % 2) + 4 * (v // 2)
+            j = blk * TILE_N + tScS[i][1]
+            idx = Int32(-1)
+            if j < n_valid:
+                idx = mIdx[t, j]
+            valid[v] = (idx >= 0) & (idx < seqlen_kv)
+
+    @cute.jit
+    def _qk(self, tiled_mma_qk, acc_S, tSrQ, tSrK, stage: cutlass.Constexpr,
+            c_lo: cutlass.Constexpr, c_hi: cutlass.Constexpr, zero_init: cutlass.Constexpr = True):
+        """Issues S (+)= Q[:, chunks c_lo:c_hi] K[stage][:, chunks c_lo:c_hi]^T (4 k-steps of 16
+        per 64-column chunk); the first k-step overwrites S when ``zero_init``."""
+        mma = cute.make_mma_atom(tiled_mma_qk.op)
+        mma.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(c_lo * 4, c_hi * 4):
+            cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+            mma.set(warpgroup.Field.ACCUMULATE, True)
+
+    @cute.jit
+    def _mask_rowmax(self, acc_S, valid, bmax, scale_log2):
+        """Invalid columns of S to -inf; ``bmax`` = the rows' block max times ``scale_log2``."""
+        b0 = -Float32.inf
+        b1 = -Float32.inf
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            v = (i % 2) + 2 * (i // 4)
+            s = cutlass.select_(valid[v], acc_S[i], -Float32.inf)
+            acc_S[i] = s
             if const_expr((i // 2) % 2 == 0):
-                acc_O[i] = acc_O[i] * scale0
+                b0 = cute.arch.fmax(b0, s)
             else:
-                acc_O[i] = acc_O[i] * scale1
+                b1 = cute.arch.fmax(b1, s)
+        b0 = cute.arch.fmax(b0, cute.arch.shuffle_sync_bfly(b0, offset=1))
+        b1 = cute.arch.fmax(b1, cute.arch.shuffle_sync_bfly(b1, offset=1))
+        b0 = cute.arch.fmax(b0, cute.arch.shuffle_sync_bfly(b0, offset=2))
+        b1 = cute.arch.fmax(b1, cute.arch.shuffle_sync_bfly(b1, offset=2))
+        bmax[0] = b0 * scale_log2
+        bmax[1] = b1 * scale_log2
+
+    @cute.jit
+    def _exp_rows(self, acc_S, m, psum, scale_log2):
+        """S -> p = exp2(S * scale_log2 - m[row]) in place; ``psum`` = this thread's row sums."""
+        s = [Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0)]
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            r = (i // 2) % 2
+            p = cute.math.exp2(acc_S[i] * scale_log2 - m[r], fastmath=True)
+            acc_S[i] = p
+            s[r + 2 * (i % 2)] = s[r + 2 * (i % 2)] + p
+        psum[0] = s[0] + s[2]
+        psum[1] = s[1] + s[3]
+
+    @cute.jit
+    def _rescale(self, acc, scale0, scale1):
+        """Multiplies this thread's two accumulator rows by their factors."""
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            if const_expr((i // 2) % 2 == 0):
+                acc[i] = acc[i] * scale0
+            else:
+                acc[i] = acc[i] * scale1
 
     @cute.jit
     def _store_o(self, acc_O, thr_pv, sKV, mO, mOlo, t, h0, num_heads,
@@ -536,7 +693,7 @@ class SparseMlaFwdSm90:
     def _staging_tile(self, addr, dtype):
         """(64, d_v) row-major tile over the KV stages, rows padded by 16 bytes if it fits."""
         pad = 16 // (dtype.width // 8)
-        kv_bytes = NUM_STAGES * self.stage_elems * (self.dtype.width // 8)
+        kv_bytes = 2 * self.stage_elems * (self.dtype.width // 8)
         if TILE_H * (self.d_v + pad) * (dtype.width // 8) > kv_bytes:
             pad = 0
         ptr = cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=16)
