@@ -134,9 +134,10 @@ def test_precise_dpsum_improves_dq():
 
 
 def test_canaries_and_untouched_rows():
-    """dkv's fp32 accumulator sits inside a larger buffer filled with subnormal fp32 bit patterns
-    (which a stray atomic add of +0.0 would flush to zero): the canaries before and after it, and
-    every accumulator row that no valid slot references, keep their exact bits."""
+    """dkv's fp32 accumulator (interleaved column order, see ``bwd.dkv_interleave``) sits inside
+    a larger buffer filled with subnormal fp32 bit patterns (which a stray atomic add of +0.0
+    would flush to zero): the canaries before and after it, and every accumulator row that no
+    valid slot references, keep their exact bits."""
     T, H, d_qk, d_v, S, topk = 4, 64, 576, 512, 96, 80
     q, kv, dout, indices, _ = _case(T, H, d_qk, d_v, S, topk, seed=5, invalid_frac=0.3)
     indices[2, :3] = torch.tensor([-1, S, 2**31 - 1], dtype=torch.int32)
@@ -159,6 +160,24 @@ def test_canaries_and_untouched_rows():
     rows = bits[pad : pad + S * d_qk].view(S, d_qk)
     assert torch.equal(rows[~touched], ref_bits[pad : pad + S * d_qk].view(S, d_qk)[~touched])
     assert torch.isfinite(accum).all()
+
+
+def test_interleaved_accumulator_contract():
+    """backward_into adds into the interleaved accumulator: seeded with dkv_interleave(seed) and
+    read back with dkv_deinterleave, it equals seed + the dkv gradient (fp64 reference)."""
+    T, H, d_qk, d_v, S, topk = 4, 64, 576, 512, 96, 80
+    q, kv, dout, indices, _ = _case(T, H, d_qk, d_v, S, topk, seed=9, invalid_frac=0.2)
+    sm_scale = d_qk**-0.5
+    _, dkv64, out, lse, o_lo = _reference(q, kv, dout, indices, None, sm_scale, d_v)
+    seed = torch.randn(S, d_qk, device="cuda")
+    x = torch.arange(S * d_qk, device="cuda", dtype=torch.float32).view(S, d_qk)
+    assert torch.equal(bwd.dkv_deinterleave(bwd.dkv_interleave(x)), x)
+    assert not torch.equal(bwd.dkv_interleave(x), x)
+    accum = bwd.dkv_interleave(seed)
+    bwd.backward_into(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, d_v, accum)
+    got = bwd.dkv_deinterleave(accum) - seed
+    assert _rel(got, dkv64) < 1e-2
+    assert torch.equal(bwd.dkv_from_accum(accum, torch.float32), bwd.dkv_deinterleave(accum))
 
 
 def test_misaligned_accumulator_rejected():

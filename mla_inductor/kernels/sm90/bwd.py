@@ -21,30 +21,43 @@ Stages (all on torch's current stream, capturable in CUDA graphs):
 1. preprocess (torch ops): ``dpsum`` in fp32 and ``lse_log2 = lse * log2(e)`` (+inf for rows
    with ``lse = -inf``, so that every P of such a row is exactly 0);
 2. the main kernel below, which accumulates dkv into a zeroed fp32 buffer ``dkv_accum [S, d_qk]``
-   (callers may pass their own, see :func:`backward_into`);
-3. postprocess (torch op): ``dkv = dkv_accum.to(kv.dtype)``.
+   whose columns are **interleaved** within aligned groups of 16 (column ``8h + 2q + l`` of a
+   group is stored at ``4q + 2h + l``, h, l in {0, 1}, q in 0..3; rows are not moved), so that
+   the four values a wgmma accumulator thread holds for one row (columns c, c+1, c+8, c+9) are
+   one 16-byte ``red.global.add.v4.f32`` (callers may pass their own buffer, see
+   :func:`backward_into`, :func:`dkv_interleave`, :func:`dkv_deinterleave`);
+3. postprocess (torch op, :func:`dkv_from_accum`): un-interleave and cast to kv's dtype in one
+   copy.
 
-Main kernel design (after the cuDNN frontend's SM90 DSA backward, summarised in
+Main kernel design (warp-specialised like the cuDNN frontend's SM90 DSA backward, summarised in
 ``shared/docs/study-sparse-mla-kernels.md`` section 4.1; written independently):
 
 * one CTA = one query token x 64 heads (the wgmma M = 64), 256 threads = 2 warpgroups; heads
   beyond H are zero-filled rows of the tile and never stored;
 * Q (64 x d_qk) and dO (64 x d_v) are loaded once into 128-byte-swizzled shared memory with
   16-byte ``cp.async`` (zero-fill for heads >= H);
-* the top-k list is walked in 64-key blocks; all 256 threads gather a block's 64 KV rows with
-  16-byte ``cp.async`` (groups of 8 threads per row; source size 0, i.e. zero-fill, for empty
-  slots) into one swizzled 64 x d_qk buffer, and record each key's kv row (or -1) in a
-  two-stage ``sRow``;
-* per block: warpgroup 0 computes S = Q.K^T while warpgroup 1 computes dP = dO.V^T (wgmma
-  64x64x16, both operands in shared memory); warpgroup 1 hands dP over in fp32 through the
-  P/dS buffer; warpgroup 0 computes P = exp2(S * sm_scale * log2(e) - lse_log2) (0 for empty
-  slots) and dS, and stores both as bf16;
-* both warpgroups then run dQ += dS.K (warpgroup 0 owns dq columns [0, 256), warpgroup 1 the
-  rest; accumulators stay in registers for the whole top-k walk); once dQ is done with the K/V
-  buffer the next block's gather is issued, and it overlaps with
-  dKV = P^T.dO + dS^T.Q in 64-column chunks (even chunks on warpgroup 0, odd on warpgroup 1),
-  each chunk scattered right after its wgmma with ``red.global.add.v2.f32`` into
-  ``dkv_accum[idx]``, skipping empty slots;
+* the top-k list is walked in 64-key blocks with one K/V buffer; warpgroup 0 gathers a block's
+  64 KV rows with 16-byte ``cp.async`` (8 threads per row, source size 0, i.e. zero-fill, for
+  empty slots; the indices of block i + 1 are loaded while block i's S/dP run) and records
+  each key's kv row (or -1) in a two-stage ``sRow``;
+* warpgroup 0, per block i: (after block 0) waits until warpgroup 1's dq of block i - 1 no
+  longer reads K/V and gathers block i; S = Q.K^T and dP = dO.V^T (wgmma 64x64x16, operands in
+  shared memory); P = exp2(S * sm_scale * log2(e) - lse_log2) (0 for empty slots), stored as
+  bf16 as soon as S is done; dS = P (dP - dpsum) sm_scale, stored as bf16; dq[:, 0:256] += dS.K;
+* warpgroup 1, per block i, concurrently with warpgroup 0's gather/S/dP/softmax of block i + 1:
+  dKV chunk 0 (its P^T.dO part starts before dS is stored), dq[:, 256:d_qk] += dS.K, then
+  dKV = P^T.dO + dS^T.Q for the other 64-column chunks; each chunk's wgmma is waited and its
+  accumulator scattered into the interleaved ``dkv_accum[idx]`` with ``red.global.add.v4.f32``,
+  skipping empty slots; lanes l and l ^ 4 (keys k and k ^ 1) first swap one 16-column group
+  with a shuffle, so that every red instruction of a warp covers 4 keys x one full 128-byte
+  line;
+* the hand-offs are named barriers (bar.arrive on one side, bar.sync on the other): P ready /
+  dS ready (0 -> 1); P free / dS free (1 -> 0: the next block's P / dS may be stored); K/V free
+  (1 -> 0: warpgroup 1's dq is done, the next block may be gathered);
+* wgmma descriptors, gather addresses and the swizzled P/dS store addresses are derived from
+  "opaque" shared-memory bases inside the loop (or written as one base plus immediates), so
+  the compiler cannot hoist ~100 of them into live registers next to dq's 288 accumulator
+  registers (that spilled and made ptxas serialise every wgmma);
 * dq is converted to q's dtype and stored straight from registers (heads < H).
 
 Shared memory for d_qk = 576: Q 72 KiB + K/V 72 KiB + dO 64 KiB + P 8 KiB + dS 8 KiB (+ 1 KiB),
@@ -63,7 +76,7 @@ import torch
 from cutlass import Boolean, Float32, Int32, Int64, const_expr
 from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from ..cache import KernelCache
@@ -72,9 +85,20 @@ from .fwd import target_arch
 
 _TILE_M = 64  # heads per CTA (wgmma M)
 _TILE_N = 64  # keys per block
-_CHUNK = 64  # columns per dQ / dKV chunk (one 128-byte swizzle atom of bf16)
+_CHUNK = 64  # columns per dKV chunk (one 128-byte swizzle atom of bf16)
 _NUM_THREADS = 256
+_WG_THREADS = 128
 _LOG2_E = math.log2(math.e)
+_GROUP = 16  # dkv_accum columns are interleaved within aligned groups of 16 (see dkv_interleave)
+
+# Named barriers (0 is __syncthreads). "READY"/"FREE" ones pair one warpgroup's bar.arrive with
+# the other's bar.sync, 256 threads each; every use alternates strictly between the two sides.
+_BAR_P_READY = 1  # warpgroup 0 stored P of block i -> warpgroup 1 may read it
+_BAR_DS_READY = 2  # warpgroup 0 stored dS of block i
+_BAR_P_FREE = 3  # warpgroup 1 finished reading P of block i -> P of block i + 1 may be stored
+_BAR_DS_FREE = 4  # same for dS
+_BAR_KV_FREE = 5  # warpgroup 1's dQ of block i is done -> block i + 1 may be gathered
+_BAR_WG0 = 6  # warpgroup 0 alone (128 threads)
 
 
 def _smem_bytes(d_qk: int, d_v: int) -> int:
@@ -83,18 +107,95 @@ def _smem_bytes(d_qk: int, d_v: int) -> int:
     return tiles + (2 * _TILE_N + 2 * _TILE_M) * 4 + 1024
 
 
+def dkv_interleave(x: torch.Tensor) -> torch.Tensor:
+    """Plain ``[S, d]`` -> the kernel's interleaved column order (a contiguous copy).
+
+    Within every aligned group of 16 columns, column ``8 * h + 2 * q + l`` (h, l in {0, 1},
+    q in 0..3) is stored at position ``4 * q + 2 * h + l``: the four values that one thread of a
+    wgmma accumulator holds for a row (columns c, c+1, c+8, c+9) are adjacent, so the kernel adds
+    them with one 16-byte ``red.global.add.v4.f32``. Rows are not moved."""
+    S, d = x.shape
+    return x.view(S, d // _GROUP, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(S, d)
+
+
+def dkv_deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`dkv_interleave`: the kernel's accumulator -> plain ``[S, d]`` order."""
+    S, d = x.shape
+    return x.view(S, d // _GROUP, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(S, d)
+
+
 @dsl_user_op
-def red_add_f32x2(addr: Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
-    """``red.global.add.v2.f32``: fire-and-forget fp32 add of two adjacent words (8-byte aligned)."""
+def red_add_f32x4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, pred: Int32,
+                  *, loc=None, ip=None) -> None:
+    """``red.global.add.v4.f32`` of four adjacent words (16-byte aligned), issued iff ``pred != 0``."""
     llvm.inline_asm(
         None,
         [
             Int64(addr).ir_value(loc=loc, ip=ip),
             Float32(a).ir_value(loc=loc, ip=ip),
             Float32(b).ir_value(loc=loc, ip=ip),
+            Float32(c).ir_value(loc=loc, ip=ip),
+            Float32(d).ir_value(loc=loc, ip=ip),
+            Int32(pred).ir_value(loc=loc, ip=ip),
         ],
-        "red.relaxed.gpu.global.add.v2.f32 [$0], {$1, $2};",
-        "l,f,f",
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
+        "@p red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};\n}",
+        "l,f,f,f,f,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def cp_async_16(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
+    """``cp.async.cg`` of 16 bytes global -> shared; ``src_bytes = 0`` zero-fills (reads nothing)."""
+    llvm.inline_asm(
+        None,
+        [
+            Int32(dst).ir_value(loc=loc, ip=ip),
+            Int64(src).ir_value(loc=loc, ip=ip),
+            Int32(src_bytes).ir_value(loc=loc, ip=ip),
+        ],
+        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
+        "r,l,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
+    """``x``, through a volatile move: values derived from it are recomputed where they are used
+    instead of being hoisted out of the loop (and kept live in registers) by the compiler."""
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(x).ir_value(loc=loc, ip=ip)],
+            "mov.b32 $0, $1;",
+            "=r,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
+    )
+
+
+@dsl_user_op
+def st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    """``st.shared.b32``."""
+    llvm.inline_asm(
+        None,
+        [Int32(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
+        "st.shared.b32 [$0], $1;",
+        "r,r",
         has_side_effects=True,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -126,12 +227,10 @@ class SparseMlaBackwardSm90:
         self.d_v = d_v
         self.has_topk_length = has_topk_length
         self.head_tiles = (heads + _TILE_M - 1) // _TILE_M
+        self.n_chunks = d_qk // _CHUNK
         self.n_chunks_v = d_v // _CHUNK
-        # dq columns (start, width) per warpgroup: [0, 256) and the rest (one wgmma per part).
+        # dq columns (start, width): warpgroup 0 owns [0, 256), warpgroup 1 the rest.
         self.dq_parts = ([(0, 256)], [(256, 256)] + ([(512, d_qk - 512)] if d_qk > 512 else []))
-        # dkv 64-column chunks per warpgroup: even / odd.
-        chunks = range(d_qk // _CHUNK)
-        self.dkv_chunks = ([c for c in chunks if c % 2 == 0], [c for c in chunks if c % 2 == 1])
 
     @cute.jit
     def __call__(
@@ -144,7 +243,7 @@ class SparseMlaBackwardSm90:
         mIdx: cute.Tensor,  # [T, topk] int32
         mTopkLen: Optional[cute.Tensor],  # [T] int32
         mdQ: cute.Tensor,  # [T, H, d_qk]
-        mdKV: cute.Tensor,  # [S, d_qk] fp32 accumulator
+        mdKV: cute.Tensor,  # [S, d_qk] fp32 accumulator, interleaved columns
         sm_scale: Float32,
         stream: cuda.CUstream,
     ):
@@ -186,43 +285,71 @@ class SparseMlaBackwardSm90:
             cute.copy(atom, tg, ts, pred=pred)
 
     @cute.jit
-    def gather(
-        self,
-        blk: Int32,
-        stage: Int32,
-        token: Int32,
-        n_valid: Int32,
-        mKV: cute.Tensor,
-        mIdx: cute.Tensor,
-        sKV: cute.Tensor,
-        sRow: cute.Tensor,
-        tidx: Int32,
+    def load_indices(
+        self, blk: Int32, token: Int32, n_valid: Int32, mIdx: cute.Tensor, S: Int32,
+        rIdx: cute.Tensor, t: Int32,
     ):
-        """All 256 threads issue the cp.async gather of key block ``blk`` (one commit group) and
-        record each key's kv row, or -1 for an empty slot, in ``sRow[stage]``."""
-        lane8 = tidx % 8
-        group = tidx // 8  # 32 groups of 8 threads, 2 rows each
-        S = mKV.shape[0]
-        for r in cutlass.range_constexpr(_TILE_N // 32):
-            row = r * 32 + group
-            slot = blk * _TILE_N + row
+        """kv row (or -1 for an empty slot) of the keys of block ``blk`` that warpgroup-0 thread
+        ``t`` gathers: rows ``r * 16 + t // 8``, r = 0..3."""
+        for r in cutlass.range_constexpr(_TILE_N // 16):
+            slot = blk * _TILE_N + r * 16 + t // 8
             idx = Int32(-1)
             if slot < n_valid:
                 idx = mIdx[token, slot]
-            ok = idx >= 0 and idx < S
-            idx_c = idx if ok else Int32(0)
-            self.copy_row(mKV[idx_c, None], sKV[row, None], ok, self.d_qk, lane8)
+            rIdx[r] = idx if (idx >= 0 and idx < S) else Int32(-1)
+
+    @cute.jit
+    def gather(
+        self, stage: Int32, mKV: cute.Tensor, rIdx: cute.Tensor, sKV: cute.Tensor,
+        sRow: cute.Tensor, t: Int32,
+    ):
+        """Warpgroup 0 issues the cp.async gather of one key block (one commit group, zero-fill for
+        empty slots) and records each key's kv row, or -1, in ``sRow[stage]``. Thread t copies
+        16-byte piece t % 8 of every 64-column slab of rows r * 16 + t // 8; addresses are written
+        out (128-byte swizzle: piece p of row r sits at 16 * (p ^ (r % 8))) so that they stay one
+        base register plus immediates."""
+        lane8 = t % 8
+        row0 = t // 8
+        dst0 = sKV.iterator.toint() + row0 * 128 + ((lane8 ^ (row0 % 8)) * 16)
+        src0 = mKV.iterator.toint() + lane8 * 16
+        for r in cutlass.range_constexpr(_TILE_N // 16):
+            idx = rIdx[r]
+            ok = idx >= 0
+            src = src0 + Int64(idx if ok else Int32(0)) * (self.d_qk * 2)
+            nbytes = Int32(16) if ok else Int32(0)
+            for i in cutlass.range_constexpr(self.d_qk // 64):
+                cp_async_16(dst0 + (i * _TILE_N * 128 + r * 16 * 128), src + i * 128, nbytes)
             if lane8 == 0:
-                sRow[stage * _TILE_N + row] = idx if ok else Int32(-1)
+                sRow[stage * _TILE_N + r * 16 + row0] = idx
         cute.arch.cp_async_commit_group()
 
     @cute.jit
     def gemm(self, tiled_mma: cute.TiledMma, acc: cute.Tensor, tA: cute.Tensor, tB: cute.Tensor):
-        """acc += A . B over all k-blocks (one wgmma group, committed, not waited)."""
-        warpgroup.fence()
+        """acc += A . B over all k-blocks (no fence, no commit)."""
         for k in cutlass.range_constexpr(cute.size(tA.shape[2])):
             cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
-        warpgroup.commit_group()
+
+    def make_mma(self, a_major, b_major, n):
+        tiled = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, a_major, b_major, Float32, (1, 1, 1), (_TILE_M, n)
+        )
+        tiled.set(warpgroup.Field.ACCUMULATE, True)
+        return tiled
+
+    def opaque(self, t, rows: int, cols: int):
+        """The K-major SW128 shared tile ``t`` ([rows, cols]) seen through an opaque base address:
+        wgmma descriptors derived from it are computed where they are used (a few uniform-datapath
+        instructions) instead of being hoisted out of the loop into ~100 live registers."""
+        lay = kmajor_sw128(self.dtype, rows, cols)
+        ptr = cute.make_ptr(self.dtype, opaque_i32(t.iterator.toint()), cute.AddressSpace.smem,
+                            assumed_align=1024)
+        return cute.make_tensor(cute.recast_ptr(ptr, lay.inner, self.dtype), lay.outer)
+
+    def cols(self, t, c0, width):
+        """Columns [c0, c0 + width) of a K-major SW128 tile (64-column slabs are contiguous)."""
+        return cute.make_tensor(
+            t.iterator + c0 * _TILE_M, kmajor_sw128(self.dtype, _TILE_M, width).outer
+        )
 
     @cute.kernel
     def kernel(
@@ -240,7 +367,7 @@ class SparseMlaBackwardSm90:
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
-        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
         token = bidx // self.head_tiles
         head0 = (bidx - token * self.head_tiles) * _TILE_M
         topk = mIdx.shape[1]
@@ -253,14 +380,8 @@ class SparseMlaBackwardSm90:
         sQ = smem.allocate_tensor(self.dtype, lay_q.outer, 1024, swizzle=lay_q.inner)
         sKV = smem.allocate_tensor(self.dtype, lay_q.outer, 1024, swizzle=lay_q.inner)
         sdO = smem.allocate_tensor(self.dtype, lay_do.outer, 1024, swizzle=lay_do.inner)
-        # P and dS (bf16, 8 KiB each); the same 16 KiB hold dP in fp32 before P and dS exist.
-        raw_pds = smem.allocate_array(Float32, _TILE_M * _TILE_N, byte_alignment=1024)
-        sP = cute.make_tensor(cute.recast_ptr(raw_pds, lay_slab.inner, self.dtype), lay_slab.outer)
-        sdS = cute.make_tensor(
-            cute.recast_ptr(raw_pds + _TILE_M * _TILE_N // 2, lay_slab.inner, self.dtype),
-            lay_slab.outer,
-        )
-        sdP = cute.make_tensor(raw_pds, cute.make_layout((_TILE_M * _TILE_N,)))
+        sP = smem.allocate_tensor(self.dtype, lay_slab.outer, 1024, swizzle=lay_slab.inner)
+        sdS = smem.allocate_tensor(self.dtype, lay_slab.outer, 1024, swizzle=lay_slab.inner)
         sRow = smem.allocate_tensor(Int32, cute.make_layout((2 * _TILE_N,)), 16)
         sLSE2 = smem.allocate_tensor(Float32, cute.make_layout((_TILE_M,)), 16)
         sDpsum = smem.allocate_tensor(Float32, cute.make_layout((_TILE_M,)), 16)
@@ -271,7 +392,7 @@ class SparseMlaBackwardSm90:
             n_valid = cutlass.max(cutlass.min(mTopkLen[token], topk), Int32(0))
         n_blocks = (n_valid + (_TILE_N - 1)) // _TILE_N
 
-        # ---- Q, dO (zero rows for heads >= H), lse_log2, dpsum; then the first key block ----
+        # ---- Q, dO (zero rows for heads >= H), lse_log2, dpsum; warpgroup 0 gathers block 0 ----
         lane8 = tidx % 8
         group = tidx // 8
         for r in cutlass.range_constexpr(_TILE_M // 32):
@@ -291,26 +412,29 @@ class SparseMlaBackwardSm90:
                 dps = mDpsum[token, head]
             sLSE2[tidx] = lse2
             sDpsum[tidx] = dps
-        if n_blocks > 0:
-            self.gather(Int32(0), Int32(0), token, n_valid, mKV, mIdx, sKV, sRow, tidx)
+        rIdx = cute.make_rmem_tensor(cute.make_layout((_TILE_N // 16,)), Int32)
+        if wg == 0:
+            if n_blocks > 0:
+                self.load_indices(Int32(0), token, n_valid, mIdx, mKV.shape[0], rIdx, tidx)
+                self.gather(Int32(0), mKV, rIdx, sKV, sRow, tidx)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()  # Q, dO, lse, dpsum, block 0 and sRow[0] ready
 
         if wg == 0:
-            self.warpgroup_body(
-                0, tidx, token, head0, n_valid, n_blocks, sm_scale,
-                mKV, mIdx, mdQ, mdKV, sQ, sKV, sdO, sP, sdS, sdP, sRow, sLSE2, sDpsum,
+            self.wg0_body(
+                tidx, token, head0, n_valid, n_blocks, sm_scale, mKV, mIdx, mdQ,
+                sQ, sKV, sdO, sP, sdS, sRow, sLSE2, sDpsum, rIdx,
             )
-        else:
-            self.warpgroup_body(
-                1, tidx, token, head0, n_valid, n_blocks, sm_scale,
-                mKV, mIdx, mdQ, mdKV, sQ, sKV, sdO, sP, sdS, sdP, sRow, sLSE2, sDpsum,
+        if wg == 1:
+            self.wg1_body(
+                tidx - _WG_THREADS, token, head0, n_blocks, mdQ, mdKV, sQ, sKV, sdO, sP, sdS, sRow,
             )
-        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
-    def warpgroup_body(
+    def wg0_body(
         self,
-        wg: cutlass.Constexpr[int],
-        tidx: Int32,
+        t: Int32,
         token: Int32,
         head0: Int32,
         n_valid: Int32,
@@ -319,155 +443,269 @@ class SparseMlaBackwardSm90:
         mKV: cute.Tensor,
         mIdx: cute.Tensor,
         mdQ: cute.Tensor,
+        sQ: cute.Tensor,
+        sKV: cute.Tensor,
+        sdO: cute.Tensor,
+        sP: cute.Tensor,
+        sdS: cute.Tensor,
+        sRow: cute.Tensor,
+        sLSE2: cute.Tensor,
+        sDpsum: cute.Tensor,
+        rIdx: cute.Tensor,
+    ):
+        """Warpgroup 0, per key block: the gather (block 0 is gathered before the loop), S = Q.K^T
+        and dP = dO.V^T, P and dS (stored as bf16 for both warpgroups), dq[:, 0:256] += dS.K."""
+        scale_log2 = sm_scale * Float32(_LOG2_E)
+        S_rows = mKV.shape[0]
+        K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+
+        mma_sp = self.make_mma(K_MAJOR, K_MAJOR, _TILE_N)
+        thr_sp = mma_sp.get_slice(t)
+        c_sp = thr_sp.partition_C(cute.make_identity_tensor((_TILE_M, _TILE_N)))
+
+        c0, w = self.dq_parts[0][0]
+        mma_dq = self.make_mma(K_MAJOR, MN_MAJOR, w)
+        thr_dq = mma_dq.get_slice(t)
+        acc_dq = cute.make_rmem_tensor(mma_dq.partition_shape_C((_TILE_M, w)), Float32)
+        acc_dq.fill(0.0)
+
+        for blk in cutlass.range(n_blocks, unroll=1):
+            stage = blk % 2
+            if blk > 0:
+                cute.arch.barrier(barrier_id=_BAR_KV_FREE, number_of_threads=_NUM_THREADS)
+                self.gather(stage, mKV, rIdx, sKV, sRow, t)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=_BAR_WG0, number_of_threads=_WG_THREADS)
+
+            oQ = self.opaque(sQ, _TILE_M, self.d_qk)
+            oKV = self.opaque(sKV, _TILE_N, self.d_qk)
+            odO = self.opaque(sdO, _TILE_M, self.d_v)
+            tA_q = thr_sp.make_fragment_A(thr_sp.partition_A(oQ))
+            tB_k = thr_sp.make_fragment_B(thr_sp.partition_B(oKV))
+            tA_do = thr_sp.make_fragment_A(thr_sp.partition_A(odO))
+            tB_v = thr_sp.make_fragment_B(thr_sp.partition_B(self.cols(oKV, 0, self.d_v)))
+            acc_s = cute.make_rmem_tensor(mma_sp.partition_shape_C((_TILE_M, _TILE_N)), Float32)
+            acc_dp = cute.make_rmem_tensor(mma_sp.partition_shape_C((_TILE_M, _TILE_N)), Float32)
+            acc_s.fill(0.0)
+            acc_dp.fill(0.0)
+            warpgroup.fence()
+            self.gemm(mma_sp, acc_s, tA_q, tB_k)
+            warpgroup.commit_group()
+            self.gemm(mma_sp, acc_dp, tA_do, tB_v)
+            warpgroup.commit_group()
+            if blk + 1 < n_blocks:  # the next block's indices, while the tensor cores work
+                self.load_indices(blk + 1, token, n_valid, mIdx, S_rows, rIdx, t)
+
+            warpgroup.wait_group(1)  # S done
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                m, n = c_sp[i]
+                p = cute.math.exp2(acc_s[i] * scale_log2 - sLSE2[m], fastmath=True)
+                if sRow[stage * _TILE_N + n] < 0:
+                    p = Float32(0.0)
+                acc_s[i] = p
+            rP = cute.make_rmem_tensor_like(acc_s, self.dtype)
+            rP.store(acc_s.load().to(self.dtype))
+            if blk > 0:
+                cute.arch.barrier(barrier_id=_BAR_P_FREE, number_of_threads=_NUM_THREADS)
+            self.store_tile(rP, sP, t)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=_BAR_P_READY, number_of_threads=_NUM_THREADS)
+
+            warpgroup.wait_group(0)  # dP done
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                m, n = c_sp[i]
+                acc_dp[i] = acc_s[i] * (acc_dp[i] - sDpsum[m]) * sm_scale
+            rdS = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+            rdS.store(acc_dp.load().to(self.dtype))
+            if blk > 0:
+                cute.arch.barrier(barrier_id=_BAR_DS_FREE, number_of_threads=_NUM_THREADS)
+            self.store_tile(rdS, sdS, t)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=_BAR_DS_READY, number_of_threads=_NUM_THREADS)
+            cute.arch.barrier(barrier_id=_BAR_WG0, number_of_threads=_WG_THREADS)  # all of dS
+
+            oKV = self.opaque(sKV, _TILE_N, self.d_qk)
+            tA_ds = thr_dq.make_fragment_A(thr_dq.partition_A(self.opaque(sdS, _TILE_M, _TILE_N)))
+            tB_kt = thr_dq.make_fragment_B(thr_dq.partition_B(transposed(self.cols(oKV, c0, w))))
+            warpgroup.fence()
+            self.gemm(mma_dq, acc_dq, tA_ds, tB_kt)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)  # K/V no longer needed by warpgroup 0
+
+        self.store_dq(mdQ, token, head0, thr_dq, acc_dq, c0, w)
+
+    @cute.jit
+    def store_tile(self, r16: cute.Tensor, sT: cute.Tensor, t: Int32):
+        """Stores warpgroup 0's 64 x 64 wgmma accumulator fragment ``r16`` (16-bit, register
+        4 j + 2 h + e = row m0 + 8 h, column 8 j + 2 (lane % 4) + e, m0 = 16 warp + lane // 4)
+        into the K-major 128-byte-swizzled tile ``sT``: the pair (h, j) goes to byte
+        128 row + 16 (j ^ (row % 8)) + 4 (lane % 4). The per-thread base is made opaque so the
+        eight XORed addresses are recomputed each time rather than held in registers."""
+        lane = t % 32
+        g = lane // 4
+        base = sT.iterator.toint() + ((t // 32) * 16 + g) * 128 + (lane % 4) * 4 + g * 16
+        base = opaque_i32(base)
+        r32 = cute.recast_tensor(r16, Int32)
+        for j in cutlass.range_constexpr(8):
+            a = base ^ (j * 16)
+            for h in cutlass.range_constexpr(2):
+                st_shared_b32(a + h * 8 * 128, r32[h + 2 * j])
+
+    @cute.jit
+    def store_dq(self, mdQ, token, head0, thr_dq, acc_dq, c0, w):
+        """dq epilogue: registers -> global, heads < H only."""
+        c_dq = thr_dq.partition_C(cute.make_identity_tensor((_TILE_M, w)))
+        for i in cutlass.range_constexpr(cute.size(acc_dq)):
+            m, col = c_dq[i]
+            head = head0 + m
+            if head < self.heads:
+                mdQ[token, head, c0 + col] = acc_dq[i].to(mdQ.element_type)
+
+    @cute.jit
+    def wg1_body(
+        self,
+        t: Int32,
+        token: Int32,
+        head0: Int32,
+        n_blocks: Int32,
+        mdQ: cute.Tensor,
         mdKV: cute.Tensor,
         sQ: cute.Tensor,
         sKV: cute.Tensor,
         sdO: cute.Tensor,
         sP: cute.Tensor,
         sdS: cute.Tensor,
-        sdP: cute.Tensor,
         sRow: cute.Tensor,
-        sLSE2: cute.Tensor,
-        sDpsum: cute.Tensor,
     ):
-        """The block loop of one warpgroup. Warpgroup 0 computes S and then P and dS; warpgroup 1
-        computes dP (handed over in fp32 through shared memory); both then run their dQ and dKV
-        parts. The next block's gather is issued once dQ no longer needs the K/V buffer."""
-        wg_tidx = tidx % 128
-        scale_log2 = sm_scale * Float32(_LOG2_E)
-
-        def mma(a_major, b_major, n):
-            tiled = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, a_major, b_major, Float32, (1, 1, 1), (_TILE_M, n)
-            )
-            tiled.set(warpgroup.Field.ACCUMULATE, True)
-            return tiled
-
-        def cols(t, c0, width):
-            """Columns [c0, c0 + width) of a K-major SW128 tile (64-column slabs are contiguous)."""
-            return cute.make_tensor(
-                t.iterator + c0 * _TILE_M, kmajor_sw128(self.dtype, _TILE_M, width).outer
-            )
-
+        """Warpgroup 1, per key block: dq[:, 256:] += dS.K, and dKV = P^T.dO + dS^T.Q in 64-column
+        chunks, each waited and scattered (one accumulator: a second one does not fit next to
+        dq's 160 registers; ptxas then spills and serialises the wgmmas)."""
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
 
-        # S = Q.K^T (warpgroup 0) or dP = dO.V^T (warpgroup 1), 64 x 64 per block
-        mma_sp = mma(K_MAJOR, K_MAJOR, _TILE_N)
-        thr_sp = mma_sp.get_slice(wg_tidx)
-        if const_expr(wg == 0):
-            tA_sp = thr_sp.make_fragment_A(thr_sp.partition_A(sQ))
-            tB_sp = thr_sp.make_fragment_B(thr_sp.partition_B(sKV))
-        else:
-            tA_sp = thr_sp.make_fragment_A(thr_sp.partition_A(sdO))
-            tB_sp = thr_sp.make_fragment_B(thr_sp.partition_B(cols(sKV, 0, self.d_v)))
-        c_sp = thr_sp.partition_C(cute.make_identity_tensor((_TILE_M, _TILE_N)))
-        thr_store = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32),
-            mma_sp,
-        ).get_slice(wg_tidx)
-
-        # dQ += dS.K for this warpgroup's columns; accumulators live for the whole walk
-        dq_parts = self.dq_parts[wg]
-        mma_dq = [mma(K_MAJOR, MN_MAJOR, w) for (_, w) in dq_parts]
-        thr_dq = [m.get_slice(wg_tidx) for m in mma_dq]
+        dq_parts = self.dq_parts[1]
+        mma_dq = [self.make_mma(K_MAJOR, MN_MAJOR, w) for (_, w) in dq_parts]
+        thr_dq = [m.get_slice(t) for m in mma_dq]
         acc_dq = [
             cute.make_rmem_tensor(mma_dq[j].partition_shape_C((_TILE_M, w)), Float32)
             for j, (_, w) in enumerate(dq_parts)
         ]
         for j in cutlass.range_constexpr(len(acc_dq)):
             acc_dq[j].fill(0.0)
-        tA_dS = [t.make_fragment_A(t.partition_A(sdS)) for t in thr_dq]
-        tB_K = [
-            thr_dq[j].make_fragment_B(thr_dq[j].partition_B(transposed(cols(sKV, c0, w))))
-            for j, (c0, w) in enumerate(dq_parts)
-        ]
+        mma_kv = self.make_mma(MN_MAJOR, MN_MAJOR, _CHUNK)
+        thr_kv = mma_kv.get_slice(t)
+        acc_kv = cute.make_rmem_tensor(mma_kv.partition_shape_C((_TILE_N, _CHUNK)), Float32)
 
-        # dKV = P^T.dO + dS^T.Q in 64-column chunks
-        mma_dkv = mma(MN_MAJOR, MN_MAJOR, _CHUNK)
-        thr_dkv = mma_dkv.get_slice(wg_tidx)
-        tA_Pt = thr_dkv.make_fragment_A(thr_dkv.partition_A(transposed(sP)))
-        tA_dSt = thr_dkv.make_fragment_A(thr_dkv.partition_A(transposed(sdS)))
-        dkv_chunks = self.dkv_chunks[wg]
-        tB_dO = [
-            thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(cols(sdO, c * _CHUNK, _CHUNK))))
-            if c < self.n_chunks_v else None
-            for c in dkv_chunks
-        ]
-        tB_Q = [
-            thr_dkv.make_fragment_B(thr_dkv.partition_B(transposed(cols(sQ, c * _CHUNK, _CHUNK))))
-            for c in dkv_chunks
-        ]
-        c_dkv = thr_dkv.partition_C(cute.make_identity_tensor((_TILE_N, _CHUNK)))
+        # Scatter geometry (wgmma accumulator of a 64 x 64 chunk: thread (warp w, lane l) holds
+        # keys k0 = 16 w + l // 4 and k0 + 8, columns 8 j + 2 (l % 4) + {0, 1}, j = 0..7; register
+        # 4 j + 2 h + e is key k0 + 8 h, column 8 j + 2 (l % 4) + e). Lanes l and l ^ 4 hold keys
+        # k and k ^ 1: they swap halves so that each red.v4 instruction of the warp covers four
+        # keys x one full 128-byte line of the interleaved accumulator.
+        lane = t % 32
+        k0 = (t // 32) * 16 + lane // 4
+        par = (lane // 4) % 2
+        col_off = par * _GROUP + (lane % 4) * 4  # interleaved column of this thread in a 32-column line
         dkv_base = mdKV.iterator.toint()
+        rRow = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)  # kv rows of k0, k0^1, k0+8, (k0+8)^1
+
+        last_p_chunk = self.n_chunks_v - 1
+        last_chunk = self.n_chunks - 1
 
         for blk in cutlass.range(n_blocks, unroll=1):
             stage = blk % 2
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.fence_view_async_shared()
-            cute.arch.sync_threads()  # K/V block, sRow[stage] (and Q, dO, lse, dpsum) ready
+            more = blk + 1 < n_blocks
+            cute.arch.barrier(barrier_id=_BAR_P_READY, number_of_threads=_NUM_THREADS)
+            for h in cutlass.range_constexpr(2):
+                rRow[2 * h] = sRow[stage * _TILE_N + k0 + 8 * h]
+                rRow[2 * h + 1] = sRow[stage * _TILE_N + ((k0 + 8 * h) ^ 1)]
 
-            acc = cute.make_rmem_tensor(mma_sp.partition_shape_C((_TILE_M, _TILE_N)), Float32)
-            acc.fill(0.0)
-            self.gemm(mma_sp, acc, tA_sp, tB_sp)
-            warpgroup.wait_group(0)
-            if const_expr(wg == 1):
-                # dP -> shared memory, fp32, columns XOR-swizzled by row against bank conflicts
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    m, n = c_sp[i]
-                    sdP[m * _TILE_N + (n ^ ((m % 8) * 8))] = acc[i]
-                cute.arch.barrier(barrier_id=1, number_of_threads=256)
-            else:
-                cute.arch.barrier(barrier_id=1, number_of_threads=256)
-                ds = cute.make_rmem_tensor_like(acc)
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    m, n = c_sp[i]
-                    p = cute.math.exp2(acc[i] * scale_log2 - sLSE2[m], fastmath=True)
-                    if sRow[stage * _TILE_N + n] < 0:
-                        p = Float32(0.0)
-                    dp = sdP[m * _TILE_N + (n ^ ((m % 8) * 8))]
-                    ds[i] = p * (dp - sDpsum[m]) * sm_scale
-                    acc[i] = p
-                cute.arch.barrier(barrier_id=2, number_of_threads=128)  # dP fully read
-                rP = cute.make_rmem_tensor_like(acc, self.dtype)
-                rP.store(acc.load().to(self.dtype))
-                rdS = cute.make_rmem_tensor_like(ds, self.dtype)
-                rdS.store(ds.load().to(self.dtype))
-                cute.copy(thr_store, thr_store.retile(rP), thr_store.partition_D(sP))
-                cute.copy(thr_store, thr_store.retile(rdS), thr_store.partition_D(sdS))
-                cute.arch.fence_view_async_shared()
-            cute.arch.sync_threads()  # P, dS ready
+            oQ = self.opaque(sQ, _TILE_M, self.d_qk)
+            odO = self.opaque(sdO, _TILE_M, self.d_v)
+            oKV = self.opaque(sKV, _TILE_N, self.d_qk)
+            odS = self.opaque(sdS, _TILE_M, _TILE_N)
+            tA_ds = [m.make_fragment_A(m.partition_A(odS)) for m in thr_dq]
+            tB_kt = [
+                thr_dq[j].make_fragment_B(thr_dq[j].partition_B(transposed(self.cols(oKV, c0, w))))
+                for j, (c0, w) in enumerate(dq_parts)
+            ]
+            tA_pt = thr_kv.make_fragment_A(thr_kv.partition_A(transposed(self.opaque(sP, _TILE_M, _TILE_N))))
+            tA_dst = thr_kv.make_fragment_A(thr_kv.partition_A(transposed(odS)))
+            tB_dot0 = thr_kv.make_fragment_B(thr_kv.partition_B(transposed(self.cols(odO, 0, _CHUNK))))
+            tB_qt0 = thr_kv.make_fragment_B(thr_kv.partition_B(transposed(self.cols(oQ, 0, _CHUNK))))
+            ops = (thr_kv, sQ, sdO, sP, sdS)
 
+            # chunk 0 (P part, then the dS part once dS is stored), then dq
+            acc_kv.fill(0.0)
+            warpgroup.fence()
+            self.gemm(mma_kv, acc_kv, tA_pt, tB_dot0)
+            cute.arch.barrier(barrier_id=_BAR_DS_READY, number_of_threads=_NUM_THREADS)
+            self.gemm(mma_kv, acc_kv, tA_dst, tB_qt0)
+            warpgroup.commit_group()
             for j in cutlass.range_constexpr(len(dq_parts)):
-                self.gemm(mma_dq[j], acc_dq[j], tA_dS[j], tB_K[j])
-            warpgroup.wait_group(0)
-            cute.arch.sync_threads()  # K/V buffer free
-            if blk + 1 < n_blocks:
-                self.gather(blk + 1, 1 - stage, token, n_valid, mKV, mIdx, sKV, sRow, tidx)
+                self.gemm(mma_dq[j], acc_dq[j], tA_ds[j], tB_kt[j])
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)  # chunk 0 done (dq may still run)
+            self.scatter(acc_kv, 0, rRow, dkv_base, col_off, par)
+            for c in cutlass.range_constexpr(1, self.n_chunks):
+                self.issue_chunk(mma_kv, acc_kv, c, ops)
+                warpgroup.wait_group(0)  # chunk c (and dq) done
+                if const_expr(c == 1):
+                    if more:  # K/V no longer needed by warpgroup 1
+                        cute.arch.barrier_arrive(barrier_id=_BAR_KV_FREE, number_of_threads=_NUM_THREADS)
+                if const_expr(c == last_p_chunk):
+                    if more:
+                        cute.arch.barrier_arrive(barrier_id=_BAR_P_FREE, number_of_threads=_NUM_THREADS)
+                if const_expr(c == last_chunk):
+                    if more:
+                        cute.arch.barrier_arrive(barrier_id=_BAR_DS_FREE, number_of_threads=_NUM_THREADS)
+                self.scatter(acc_kv, c, rRow, dkv_base, col_off, par)
 
-            for j in cutlass.range_constexpr(len(dkv_chunks)):
-                c = dkv_chunks[j]
-                acc_kv = cute.make_rmem_tensor(mma_dkv.partition_shape_C((_TILE_N, _CHUNK)), Float32)
-                acc_kv.fill(0.0)
-                if const_expr(c < self.n_chunks_v):
-                    self.gemm(mma_dkv, acc_kv, tA_Pt, tB_dO[j])
-                self.gemm(mma_dkv, acc_kv, tA_dSt, tB_Q[j])
-                warpgroup.wait_group(0)
-                for i in cutlass.range_constexpr(cute.size(acc_kv) // 2):
-                    n, col = c_dkv[2 * i]
-                    kv_row = sRow[stage * _TILE_N + n]
-                    if kv_row >= 0:
-                        off = (Int64(kv_row) * self.d_qk + (c * _CHUNK + col)) * 4
-                        red_add_f32x2(dkv_base + off, acc_kv[2 * i], acc_kv[2 * i + 1])
-
-        # ---- dq epilogue: registers -> global, heads < H only ----
         for j in cutlass.range_constexpr(len(dq_parts)):
             c0, w = dq_parts[j]
-            c_dq = thr_dq[j].partition_C(cute.make_identity_tensor((_TILE_M, w)))
-            for i in cutlass.range_constexpr(cute.size(acc_dq[j])):
-                m, col = c_dq[i]
-                head = head0 + m
-                if head < self.heads:
-                    mdQ[token, head, c0 + col] = acc_dq[j][i].to(mdQ.element_type)
+            self.store_dq(mdQ, token, head0, thr_dq[j], acc_dq[j], c0, w)
+
+    @cute.jit
+    def issue_chunk(self, mma_kv, acc, c: cutlass.Constexpr[int], ops):
+        """acc = P^T.dO[:, chunk c] + dS^T.Q[:, chunk c] (one committed wgmma group); the
+        descriptors are built here, from opaque bases, so that none stays live across chunks."""
+        thr_kv, sQ, sdO, sP, sdS = ops
+        acc.fill(0.0)
+        warpgroup.fence()
+        if const_expr(c < self.n_chunks_v):
+            tA_pt = thr_kv.make_fragment_A(thr_kv.partition_A(transposed(self.opaque(sP, _TILE_M, _TILE_N))))
+            odO = self.opaque(sdO, _TILE_M, self.d_v)
+            tB_dot = thr_kv.make_fragment_B(thr_kv.partition_B(transposed(self.cols(odO, c * _CHUNK, _CHUNK))))
+            self.gemm(mma_kv, acc, tA_pt, tB_dot)
+        tA_dst = thr_kv.make_fragment_A(thr_kv.partition_A(transposed(self.opaque(sdS, _TILE_M, _TILE_N))))
+        oQ = self.opaque(sQ, _TILE_M, self.d_qk)
+        tB_qt = thr_kv.make_fragment_B(thr_kv.partition_B(transposed(self.cols(oQ, c * _CHUNK, _CHUNK))))
+        self.gemm(mma_kv, acc, tA_dst, tB_qt)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def scatter(self, acc, c: cutlass.Constexpr[int], rRow, dkv_base, col_off, par):
+        """Adds a finished 64 x 64 dKV chunk into the interleaved fp32 accumulator, skipping
+        empty slots: per key and 32-column line, lanes l and l ^ 4 exchange one 16-column group
+        so that lane l writes group 2 L + par of both keys (its own and its partner's)."""
+        for h in cutlass.range_constexpr(2):
+            own_row = rRow[2 * h]
+            other_row = rRow[2 * h + 1]
+            own_addr = dkv_base + (Int64(own_row) * self.d_qk + (c * _CHUNK + col_off)) * 4
+            other_addr = dkv_base + (Int64(other_row) * self.d_qk + (c * _CHUNK + col_off)) * 4
+            own_ok = Int32(own_row >= 0)
+            other_ok = Int32(other_row >= 0)
+            for L in cutlass.range_constexpr(2):
+                # group g (16 columns) of key k0 + 8 h: registers 8 g + 2 h + {0, 1} and 8 g + 4 + 2 h + {0, 1}
+                g_lo = [acc[8 * (2 * L) + 2 * h + e] for e in (0, 1)] + \
+                       [acc[8 * (2 * L) + 4 + 2 * h + e] for e in (0, 1)]
+                g_hi = [acc[8 * (2 * L + 1) + 2 * h + e] for e in (0, 1)] + \
+                       [acc[8 * (2 * L + 1) + 4 + 2 * h + e] for e in (0, 1)]
+                keep = [g_hi[k] if par == 1 else g_lo[k] for k in range(4)]
+                send = [g_lo[k] if par == 1 else g_hi[k] for k in range(4)]
+                recv = [cute.arch.shuffle_sync_bfly(send[k], offset=4) for k in range(4)]
+                off = L * 2 * _GROUP * 4
+                red_add_f32x4(own_addr + off, keep[0], keep[1], keep[2], keep[3], own_ok)
+                red_add_f32x4(other_addr + off, recv[0], recv[1], recv[2], recv[3], other_ok)
 
 
 _CACHE = KernelCache("mla_sm90_bwd")
@@ -552,6 +790,11 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     the dkv gradient into ``dkv_accum`` (``[S, d_qk]`` float32, contiguous, 16-byte aligned;
     rows of empty slots are never touched).
 
+    ``dkv_accum`` is in the kernel's **interleaved column order** (see :func:`dkv_interleave`):
+    columns are permuted within aligned groups of 16, rows are not moved. A zeroed buffer needs no
+    conversion; read the result with :func:`dkv_deinterleave` (or :func:`dkv_from_accum`), and
+    seed a non-zero buffer with :func:`dkv_interleave`.
+
     Raises:
         ValueError: unsupported shapes/dtypes, or a misaligned/non-contiguous ``dkv_accum``.
     """
@@ -595,4 +838,13 @@ def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
     """
     dkv_accum = torch.zeros(kv.shape[0], q.shape[2], dtype=torch.float32, device=kv.device)
     dq = backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum)
-    return dq, dkv_accum.to(kv.dtype)
+    return dq, dkv_from_accum(dkv_accum, kv.dtype)
+
+
+def dkv_from_accum(dkv_accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Postprocess: the interleaved fp32 accumulator -> plain ``[S, d_qk]`` dkv in ``dtype``
+    (one fused un-interleave + cast)."""
+    S, d = dkv_accum.shape
+    dkv = torch.empty(S, d, dtype=dtype, device=dkv_accum.device)
+    dkv.view(S, d // _GROUP, 2, 4, 2).copy_(dkv_accum.view(S, d // _GROUP, 4, 2, 2).permute(0, 1, 3, 2, 4))
+    return dkv
