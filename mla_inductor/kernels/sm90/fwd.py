@@ -466,17 +466,8 @@ class SparseMlaFwdSm90:
                     cute.arch.barrier_arrive(barrier_id=BAR_MAX_A, number_of_threads=256)
                     c0 = cute.math.exp2(row_max[0] - m_pair[0], fastmath=True)
                     c1 = cute.math.exp2(row_max[1] - m_pair[1], fastmath=True)
-                    self._exp_rows(acc_S, m_pair, psum, scale_log2)
-                    row_sum[0] = row_sum[0] * c0 + psum[0]
-                    row_sum[1] = row_sum[1] * c1 + psum[1]
-                    if (c0 != 1.0) | (c1 != 1.0):
-                        self._rescale(acc_O, c0, c1)
-                    tOrP.store(acc_S_as_A.load().to(self.dtype))
-                    warpgroup.fence()
-                    for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                        cute.gemm(mma_rs, acc_O, tOrP[None, None, k], tOrV_rs[None, None, k, 0],
-                                  acc_O)
-                    warpgroup.commit_group()
+                    self._softmax_own_pv(acc_S, m_pair, c0, c1, psum, row_sum, acc_O, tOrP,
+                                         acc_S_as_A, mma_rs, tOrV_rs, 0, scale_log2)
                     warpgroup.wait_group(0)
                     cute.arch.mbarrier_arrive(mbar_empty + 0)  # own V_L free
 
@@ -541,17 +532,8 @@ class SparseMlaFwdSm90:
                     c1 = cute.math.exp2(row_max[1] - m_pair[1], fastmath=True)
                     row_max[0] = m_pair[0]
                     row_max[1] = m_pair[1]
-                    self._exp_rows(acc_S, m_pair, psum, scale_log2)
-                    row_sum[0] = row_sum[0] * c0 + psum[0]
-                    row_sum[1] = row_sum[1] * c1 + psum[1]
-                    if (c0 != 1.0) | (c1 != 1.0):
-                        self._rescale(acc_O, c0, c1)
-                    tOrP.store(acc_S_as_A.load().to(self.dtype))
-                    warpgroup.fence()
-                    for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
-                        cute.gemm(mma_rs, acc_O, tOrP[None, None, k], tOrV_rs[None, None, k, 1],
-                                  acc_O)
-                    warpgroup.commit_group()
+                    self._softmax_own_pv(acc_S, m_pair, c0, c1, psum, row_sum, acc_O, tOrP,
+                                         acc_S_as_A, mma_rs, tOrV_rs, 1, scale_log2)
                     # own P to shared memory for A while the product runs
                     tSsP.store(tOrP_as_C.load())
                     cute.arch.fence_view_async_shared()
@@ -655,6 +637,23 @@ class SparseMlaFwdSm90:
             s[r + 2 * (i % 2)] = s[r + 2 * (i % 2)] + p
         psum[0] = s[0] + s[2]
         psum[1] = s[1] + s[3]
+
+    @cute.jit
+    def _softmax_own_pv(self, acc_S, m, c0, c1, psum, row_sum, acc_O, tOrP, acc_S_as_A, mma_rs,
+                        tOrV_rs, stage: cutlass.Constexpr, scale_log2):
+        """The own block's step: P = exp2(S * scale_log2 - m[row]) in place; the row sums and O
+        rescaled by ``(c0, c1)`` (skipped when both are 1) and the block's row sums added; then
+        issues and commits ``O += P V[stage]`` with P from registers (RS wgmma)."""
+        self._exp_rows(acc_S, m, psum, scale_log2)
+        row_sum[0] = row_sum[0] * c0 + psum[0]
+        row_sum[1] = row_sum[1] * c1 + psum[1]
+        if (c0 != 1.0) | (c1 != 1.0):
+            self._rescale(acc_O, c0, c1)
+        tOrP.store(acc_S_as_A.load().to(self.dtype))
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+            cute.gemm(mma_rs, acc_O, tOrP[None, None, k], tOrV_rs[None, None, k, stage], acc_O)
+        warpgroup.commit_group()
 
     @cute.jit
     def _rescale(self, acc, scale0, scale1):
