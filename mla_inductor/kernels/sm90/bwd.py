@@ -74,14 +74,13 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 import torch
 from cutlass import Boolean, Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 
 from ..cache import KernelCache
 from . import SUPPORTED_DIMS
 from .fwd import target_arch
+from .ptx import cp_async_16, opaque_i32, red_add_f32x4, st_shared_b32
 
 _TILE_M = 64  # heads per CTA (wgmma M)
 _TILE_N = 64  # keys per block
@@ -122,86 +121,6 @@ def dkv_deinterleave(x: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`dkv_interleave`: the kernel's accumulator -> plain ``[S, d]`` order."""
     S, d = x.shape
     return x.view(S, d // _GROUP, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(S, d)
-
-
-@dsl_user_op
-def red_add_f32x4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, pred: Int32,
-                  *, loc=None, ip=None) -> None:
-    """``red.global.add.v4.f32`` of four adjacent words (16-byte aligned), issued iff ``pred != 0``."""
-    llvm.inline_asm(
-        None,
-        [
-            Int64(addr).ir_value(loc=loc, ip=ip),
-            Float32(a).ir_value(loc=loc, ip=ip),
-            Float32(b).ir_value(loc=loc, ip=ip),
-            Float32(c).ir_value(loc=loc, ip=ip),
-            Float32(d).ir_value(loc=loc, ip=ip),
-            Int32(pred).ir_value(loc=loc, ip=ip),
-        ],
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
-        "@p red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};\n}",
-        "l,f,f,f,f,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
-def cp_async_16(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
-    """``cp.async.cg`` of 16 bytes global -> shared; ``src_bytes = 0`` zero-fills (reads nothing)."""
-    llvm.inline_asm(
-        None,
-        [
-            Int32(dst).ir_value(loc=loc, ip=ip),
-            Int64(src).ir_value(loc=loc, ip=ip),
-            Int32(src_bytes).ir_value(loc=loc, ip=ip),
-        ],
-        "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-        "r,l,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
-
-
-@dsl_user_op
-def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
-    """``x``, through a volatile move: values derived from it are recomputed where they are used
-    instead of being hoisted out of the loop (and kept live in registers) by the compiler."""
-    return Int32(
-        llvm.inline_asm(
-            T.i32(),
-            [Int32(x).ir_value(loc=loc, ip=ip)],
-            "mov.b32 $0, $1;",
-            "=r,r",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-            loc=loc,
-            ip=ip,
-        )
-    )
-
-
-@dsl_user_op
-def st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
-    """``st.shared.b32``."""
-    llvm.inline_asm(
-        None,
-        [Int32(addr).ir_value(loc=loc, ip=ip), Int32(v).ir_value(loc=loc, ip=ip)],
-        "st.shared.b32 [$0], $1;",
-        "r,r",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
 
 
 def transposed(t):

@@ -88,13 +88,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import BFloat16, Boolean, Float16, Float32, Int32, Int64, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.utils import LayoutEnum
 
 from ..cache import KernelCache
 from . import SUPPORTED_DIMS
+from .ptx import cp_async_16, cp_async_wait_all, create_policy
 
 TILE_H = 64  # heads per CTA (wgmma M)
 TILE_N = 64  # gathered keys per block
@@ -111,53 +110,6 @@ BAR_STAGED = 6  # output tile staged in shared memory / staging free again
 LN2 = math.log(2.0)
 LOG2E = math.log2(math.e)
 MAX_INIT = -1.0e30  # finite "minus infinity" of the running max: exp2(MAX_INIT - x) is 0, never NaN
-
-
-@dsl_user_op
-def _create_policy(evict_last: bool, *, loc=None, ip=None) -> Int64:
-    """An L2 cache policy (``createpolicy.fractional``, fraction 1.0): evict_last or evict_first."""
-    kind = "evict_last" if evict_last else "evict_first"
-    return Int64(
-        llvm.inline_asm(
-            T.i64(),
-            [],
-            f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;",
-            "=l",
-            has_side_effects=True,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
-
-
-@dsl_user_op
-def _cp_async_16(dst_smem_addr: Int32, src_gmem_addr: Int64, valid: Boolean, policy: Int64, *,
-                 loc=None, ip=None):
-    """16-byte ``cp.async.cg`` with an L2 cache policy and a 256-byte L2 prefetch hint; its source
-    size is 0 (pure zero-fill, no read) when not valid."""
-    src_size = cutlass.select_(valid, Int32(16), Int32(0))
-    llvm.inline_asm(
-        None,
-        [
-            Int32(dst_smem_addr).ir_value(loc=loc, ip=ip),
-            Int64(src_gmem_addr).ir_value(loc=loc, ip=ip),
-            Int32(src_size).ir_value(loc=loc, ip=ip),
-            Int64(policy).ir_value(loc=loc, ip=ip),
-        ],
-        "cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, $2, $3;",
-        "r,l,r,l",
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-
-
-@dsl_user_op
-def _cp_async_wait_all(*, loc=None, ip=None):
-    llvm.inline_asm(
-        None, [], "cp.async.wait_all;", "", has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
 
 
 def _sw128_offset_bytes(row, vec, chunk):
@@ -341,20 +293,14 @@ class SparseMlaFwdSm90:
             kv_base = mKV.iterator.toint()
             elem = self.dtype.width // 8
             row_bytes = self.d_qk * elem
-            keep = _create_policy(True)  # KV rows: read by both head tiles and many tokens
-            stream_once = _create_policy(False)  # Q: read once
+            keep = create_policy(True)  # KV rows: read by both head tiles and many tokens
+            stream_once = create_policy(False)  # Q: read once
             for p in cutlass.range_constexpr(TILE_H // 16):
                 r = p * 16 + row_in_pass
                 ok = h0 + r < num_heads
                 src = q_base + (Int64(t) * num_heads + h0 + r) * row_bytes
                 src = cutlass.select_(ok, src, q_base)
-                for c in cutlass.range_constexpr(self.n_chunks):
-                    _cp_async_16(
-                        sQ_addr + _sw128_offset_bytes(r, vec, c),
-                        src + (c * 64 + vec * 8) * elem,
-                        ok,
-                        stream_once,
-                    )
+                self._copy_row(sQ_addr, r, vec, src, ok, 0, self.n_chunks, stream_once)
             cute.arch.cp_async_mbarrier_arrive_noinc(mbar_q)
             for it in cutlass.range(n_pairs, unroll=1):
                 blk_a = 2 * n_pairs - 1 - 2 * it
@@ -382,15 +328,9 @@ class SparseMlaFwdSm90:
                         ok = (idx >= 0) & (idx < seqlen_kv)
                         src = kv_base + Int64(idx) * row_bytes
                         src = cutlass.select_(ok, src, kv_base)
-                        for c in cutlass.range_constexpr(c_lo, c_hi):
-                            _cp_async_16(
-                                stage_addr + _sw128_offset_bytes(r, vec, c),
-                                src + (c * 64 + vec * 8) * elem,
-                                ok,
-                                keep,
-                            )
+                        self._copy_row(stage_addr, r, vec, src, ok, c_lo, c_hi, keep)
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + q)
-            _cp_async_wait_all()
+            cp_async_wait_all()
 
         else:
             # ================= consumers: A (wg 1, stage 0) and B (wg 2, stage 1) =============
@@ -577,6 +517,21 @@ class SparseMlaFwdSm90:
                     if h0 + rows[r] < num_heads:
                         mLSE[t, h0 + rows[r]] = lse
         self._store_o(acc_O, thr_rs, sKV, mO, mOlo, t, h0, num_heads, role, inv, ct + 128 * role)
+
+    @cute.jit
+    def _copy_row(self, tile_addr, r, vec, src, ok, c_lo: cutlass.Constexpr,
+                  c_hi: cutlass.Constexpr, policy):
+        """One thread's share of a row copy: 16-byte vector ``vec`` of each 64-column chunk in
+        ``[c_lo, c_hi)`` from the global row at byte address ``src`` to row ``r`` of the swizzled
+        shared tile at ``tile_addr``; zero-filled without a read when not ``ok``."""
+        elem = self.dtype.width // 8
+        for c in cutlass.range_constexpr(c_lo, c_hi):
+            cp_async_16(
+                tile_addr + _sw128_offset_bytes(r, vec, c),
+                src + (c * 64 + vec * 8) * elem,
+                cutlass.select_(ok, Int32(16), Int32(0)),
+                policy,
+            )
 
     def _new_max(self, m_old, bm):
         """Running-max update for a block whose scaled max is ``bm`` (the rescale_threshold rule)."""

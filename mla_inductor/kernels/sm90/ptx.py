@@ -1,0 +1,79 @@
+"""Inline-PTX instructions the SM90 kernels need and CuTe DSL does not wrap (PTX ISA 8.x names)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _asm(ptx: str, constraints: str, operands=(), result=None, *, loc=None, ip=None):
+    """One side-effecting inline-PTX statement over ``operands`` (DSL numbers)."""
+    return llvm.inline_asm(
+        result,
+        [x.ir_value(loc=loc, ip=ip) for x in operands],
+        ptx,
+        constraints,
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def create_policy(evict_last: bool, *, loc=None, ip=None) -> Int64:
+    """An L2 cache policy (``createpolicy.fractional``, fraction 1.0): evict_last or evict_first."""
+    kind = "evict_last" if evict_last else "evict_first"
+    return Int64(_asm(f"createpolicy.fractional.L2::{kind}.b64 $0, 1.0;", "=l", (), T.i64(),
+                      loc=loc, ip=ip))
+
+
+@dsl_user_op
+def cp_async_16(dst: Int32, src: Int64, src_bytes: Int32, policy: Optional[Int64] = None, *,
+                loc=None, ip=None) -> None:
+    """``cp.async.cg`` of 16 bytes global -> shared; ``src_bytes = 0`` zero-fills (reads nothing).
+    With an L2 ``policy`` (:func:`create_policy`) the copy carries it and a 256-byte L2 prefetch
+    hint."""
+    operands = [Int32(dst), Int64(src), Int32(src_bytes)]
+    if policy is None:
+        _asm("cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r", operands, loc=loc, ip=ip)
+    else:
+        _asm("cp.async.cg.shared.global.L2::cache_hint.L2::256B [$0], [$1], 16, $2, $3;",
+             "r,l,r,l", operands + [Int64(policy)], loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_wait_all(*, loc=None, ip=None) -> None:
+    """``cp.async.wait_all``: this thread's outstanding ``cp.async`` copies have landed."""
+    _asm("cp.async.wait_all;", "", loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_add_f32x4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, pred: Int32,
+                  *, loc=None, ip=None) -> None:
+    """``red.global.add.v4.f32`` of four adjacent words (16-byte aligned), issued iff ``pred != 0``."""
+    _asm(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
+        "@p red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};\n}",
+        "l,f,f,f,f,r",
+        (Int64(addr), Float32(a), Float32(b), Float32(c), Float32(d), Int32(pred)),
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
+def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
+    """``x``, through a volatile move: values derived from it are recomputed where they are used
+    instead of being hoisted out of the loop (and kept live in registers) by the compiler."""
+    return Int32(_asm("mov.b32 $0, $1;", "=r,r", (Int32(x),), T.i32(), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    """``st.shared.b32``."""
+    _asm("st.shared.b32 [$0], $1;", "r,r", (Int32(addr), Int32(v)), loc=loc, ip=ip)
