@@ -5,8 +5,6 @@ GPU only (SM90); every test skips cleanly elsewhere.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -14,6 +12,8 @@ pytestmark = pytest.mark.cuda
 
 if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
     pytest.skip("needs an SM90 GPU", allow_module_level=True)
+
+from conftest import reference_sparse_mla_fp64, rel_l2  # noqa: E402
 
 from mla_inductor.kernels.sm90 import bwd  # noqa: E402
 
@@ -24,20 +24,6 @@ def _valid(indices, topk_length, S):
         pos = torch.arange(indices.shape[1], device=indices.device)
         valid &= pos[None, :] < topk_length[:, None]
     return valid
-
-
-def _fp64_forward(q, kv, indices, topk_length, sm_scale, d_v):
-    """Independent fp64 sparse MLA (gather form, differentiable): (out, lse)."""
-    S = kv.shape[0]
-    valid = _valid(indices.long(), topk_length, S)
-    safe = torch.where(valid, indices.long(), 0)
-    keys = kv[safe]  # [T, topk, d_qk]
-    s = torch.einsum("thd,tkd->thk", q, keys) * sm_scale
-    s = s.masked_fill(~valid[:, None, :], -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    out = torch.einsum("thk,tkd->thd", p, keys[..., :d_v])
-    return out, lse
 
 
 def _case(T, H, d_qk, d_v, S, topk, seed=0, invalid_frac=0.1, with_topk_length=False):
@@ -66,15 +52,11 @@ def _reference(q, kv, dout, indices, topk_length, sm_scale, d_v):
     """fp64 gradients, and the forward outputs (bf16 out, fp32 lse, fp32 o_lo) they come from."""
     q64 = q.double().requires_grad_()
     kv64 = kv.double().requires_grad_()
-    out64, lse64 = _fp64_forward(q64, kv64, indices, topk_length, sm_scale, d_v)
+    out64, lse64 = reference_sparse_mla_fp64(q64, kv64, indices, topk_length, sm_scale, d_v)
     (out64 * dout.double()).sum().backward()
     out = out64.detach().to(q.dtype)
     o_lo = (out64.detach() - out.double()).float()
     return q64.grad, kv64.grad, out, lse64.detach().float(), o_lo
-
-
-def _rel(x, ref):
-    return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 CASES = [
@@ -97,9 +79,9 @@ def test_gradients_vs_fp64(T, H, d_qk, d_v, S, topk, with_len):
     assert dkv.dtype == kv.dtype and dkv.shape == kv.shape
     assert torch.isfinite(dq).all() and torch.isfinite(dkv).all()
     # ideal bf16 pipeline: fp64 math from the bf16 inputs, one rounding of the outputs
-    floor_dq = _rel(dq64.to(q.dtype), dq64)
-    floor_dkv = _rel(dkv64.to(kv.dtype), dkv64)
-    err_dq, err_dkv = _rel(dq, dq64), _rel(dkv, dkv64)
+    floor_dq = rel_l2(dq64.to(q.dtype), dq64)
+    floor_dkv = rel_l2(dkv64.to(kv.dtype), dkv64)
+    err_dq, err_dkv = rel_l2(dq, dq64), rel_l2(dkv, dkv64)
     print(f"T={T} H={H} d={d_qk}/{d_v} topk={topk}: dq {err_dq:.3e} (floor {floor_dq:.3e}), "
           f"dkv {err_dkv:.3e} (floor {floor_dkv:.3e})")
     assert err_dq <= 1.5 * floor_dq
@@ -128,7 +110,7 @@ def test_precise_dpsum_improves_dq():
     dq64, _, out, lse, o_lo = _reference(q, kv, dout, idx, None, sm_scale, d_v)
     dq_lo, _ = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)
     dq_no, _ = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo.new_empty(0), sm_scale, d_v)
-    e_lo, e_no = _rel(dq_lo, dq64), _rel(dq_no, dq64)
+    e_lo, e_no = rel_l2(dq_lo, dq64), rel_l2(dq_no, dq64)
     print(f"dq rel-L2 with o_lo {e_lo:.3e}, without {e_no:.3e}")
     assert e_lo < e_no
 
@@ -176,7 +158,7 @@ def test_interleaved_accumulator_contract():
     accum = bwd.dkv_interleave(seed)
     bwd.backward_into(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, d_v, accum)
     got = bwd.dkv_deinterleave(accum) - seed
-    assert _rel(got, dkv64) < 1e-2
+    assert rel_l2(got, dkv64) < 1e-2
     assert torch.equal(bwd.dkv_from_accum(accum, torch.float32), bwd.dkv_deinterleave(accum))
 
 
