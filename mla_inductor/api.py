@@ -98,7 +98,8 @@ def sparse_mla(
         B, T, S = q.shape[0], q.shape[1], kv.shape[1]
         torch._check(
             indices.shape[0] == B and kv.shape[0] == B,
-            lambda: "sparse_mla: batch size differs between q, kv and indices",
+            lambda: "sparse_mla: batch size differs between q [B, T, H, d_qk], kv [B, S, (1,) d_qk] "
+            "and indices [B, T, (1,) topk]",
         )
         torch._check(
             indices.shape[1] == T,

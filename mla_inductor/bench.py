@@ -128,9 +128,11 @@ def main(argv=None):
         return bench_train(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m mla_inductor.bench")
     parser.add_argument("what", choices=["fwd", "bwd", "train"])
-    parser.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
-    parser.add_argument("--H", type=int, nargs="+", default=[128, 64])
-    parser.add_argument("--topk", type=int, default=2048)
+    parser.add_argument("--T", type=int, nargs="+", default=[4096, 16384],
+                    help="token counts T (S = 2T); default: 4096 16384")
+    parser.add_argument("--H", type=int, nargs="+", default=[128, 64],
+                    help="head counts; default: 128 64")
+    parser.add_argument("--topk", type=int, default=2048, help="slots per token; default: 2048")
     args = parser.parse_args(argv)
     bench_fwd(args.T, args.H, args.topk)
 

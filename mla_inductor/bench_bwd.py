@@ -65,10 +65,13 @@ def run(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mla_inductor.bench bwd", description=__doc__.splitlines()[0])
-    ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--H", type=int, nargs="+", default=[128, 64])
-    ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384],
+                    help="token counts T (S = 2T); default: 4096 16384")
+    ap.add_argument("--H", type=int, nargs="+", default=[128, 64],
+                    help="head counts; default: 128 64")
+    ap.add_argument("--topk", type=int, default=2048, help="slots per token; default: 2048")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="skip the (slow) PyTorch reference column")
     args = ap.parse_args(argv)
     from .kernels import sm90
 

@@ -112,11 +112,14 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(prog="python -m mla_inductor.bench train",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384])
-    ap.add_argument("--H", type=int, nargs="+", default=[128, 64])
-    ap.add_argument("--topk", type=int, default=2048)
-    ap.add_argument("--skip-layer", action="store_true")
-    ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384],
+                    help="token counts T (S = 2T); default: 4096 16384")
+    ap.add_argument("--H", type=int, nargs="+", default=[128, 64],
+                    help="head counts; default: 128 64")
+    ap.add_argument("--topk", type=int, default=2048, help="slots per token; default: 2048")
+    ap.add_argument("--skip-layer", action="store_true", help="skip the one-layer table")
+    ap.add_argument("--skip-model", action="store_true",
+                    help="skip the demo-model training step")
     args = ap.parse_args(argv)
     ok, why = sm90.available()
     if not ok:

@@ -372,11 +372,16 @@ def run(cfg: Config, out: Callable[[str], None] = print) -> Report:
     count for the run and restores it after.
 
     Raises:
-        ValueError: ``steps < 1``.
+        ValueError: ``steps < 2`` (the run checks that the loss falls from its first steps to its
+            last), or a CUDA device when torch has none.
     """
     cfg = cfg.resolved()
-    if cfg.steps < 1:
-        raise ValueError(f"steps must be >= 1, got {cfg.steps}")
+    if cfg.steps < 2:
+        raise ValueError(f"steps must be >= 2 (the loss of the first and the last steps is "
+                         f"compared), got {cfg.steps}")
+    if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {cfg.device!r}: this torch build or machine has no CUDA device "
+                         "(omit --device to run on the CPU)")
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     try:
@@ -497,8 +502,13 @@ def parse_args(argv=None) -> Config:
 
 
 def main(argv=None) -> int:
-    """Runs the demo; returns 1 (and says why on stderr) if the loss did not fall or a graph broke."""
-    report = run(parse_args(argv))
+    """Runs the demo; returns 1 (and says why on stderr) if the loss did not fall or a graph broke,
+    2 on an invalid setting."""
+    try:
+        report = run(parse_args(argv))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not report.ok:
         print(
             f"FAILED: graph breaks {report.graph_breaks}, loss {report.loss_start:.3f} -> "

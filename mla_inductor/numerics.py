@@ -514,6 +514,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     backend = args.backend or _default_backend()
     device = "cuda" if backend in ("sm90", "sm100") else "cpu"
+    ok, why = backends.module(backend).available()
+    if not ok:
+        parser.error(f"--backend {backend} cannot run here: {why}")
     r = order_table(
         backend,
         tokens=args.tokens,

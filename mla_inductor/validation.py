@@ -75,7 +75,7 @@ def check_forward_inputs(
         )
         _check(
             topk_length.dtype == torch.int32,
-            f"topk_length must be int32, got {topk_length.dtype}",
+            f"topk_length must be int32 (the sparse_mla API also takes int64), got {topk_length.dtype}",
         )
         _check(
             topk_length.device == q.device,
