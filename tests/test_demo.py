@@ -45,3 +45,13 @@ def test_parse_args_maps_flags_to_config():
     cfg = demo.parse_args(argv)
     assert (cfg.steps, cfg.d_latent, cfg.heads, cfg.dtype) == (7, 32, 2, "bfloat16")
     assert cfg.topk == demo.Config().topk
+
+
+def test_invalid_settings_exit_2_with_reason(capsys):
+    assert demo.main(["--steps", "1", "--device", "cpu"]) == 2
+    assert "steps must be >= 2" in capsys.readouterr().err
+    import torch
+
+    if not torch.cuda.is_available():
+        assert demo.main(["--steps", "3", "--device", "cuda"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
