@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from mla_inductor import demo
 
 TINY = dict(
@@ -50,8 +52,6 @@ def test_parse_args_maps_flags_to_config():
 def test_invalid_settings_exit_2_with_reason(capsys):
     assert demo.main(["--steps", "1", "--device", "cpu"]) == 2
     assert "steps must be >= 2" in capsys.readouterr().err
-    import torch
-
     if not torch.cuda.is_available():
         assert demo.main(["--steps", "3", "--device", "cuda"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
