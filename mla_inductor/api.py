@@ -27,7 +27,8 @@ def _squeeze_heads(t: Tensor, rank: int, what: str) -> Tensor:
     torch._check(
         t.shape[-2] == 1,
         lambda: f"sparse_mla: {what} must have a head dimension of 1 (MQA: one latent row and one "
-        "index set per token, shared by all query heads)",
+        "index set per token, shared by all query heads); a batched kv or indices needs a batched "
+        "q [B, T, H, d_qk]",
     )
     return t.squeeze(-2)
 
@@ -77,10 +78,12 @@ def sparse_mla(
         with no valid slot gives ``out = 0``, ``lse = -inf`` and zero gradients.
 
     Raises:
-        RuntimeError: wrong ranks, mismatched d_qk, ``d_v > d_qk``, a T or head mismatch between
+        RuntimeError: q, kv or indices not a tensor, wrong ranks, mismatched d_qk, ``d_v > d_qk``, a T or head mismatch between
             q and indices, non-integer indices, mixed devices or an unsupported dtype (the same
             messages at trace time under ``torch.compile``); a forced backend that cannot run here.
     """
+    for name, t in (("q", q), ("kv", kv), ("indices", indices)):
+        _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
     d_qk = q.shape[-1]
     if sm_scale is None:
         sm_scale = d_qk**-0.5

@@ -42,6 +42,8 @@ def _bad_inputs():
         "kv rank": ((q, kv[None, None], idx), {}, "kv must be"),
         "indices rank": ((q, kv, idx[None, None]), {}, "indices must be"),
         "kv heads": ((q, torch.stack([kv, kv], 1), idx), {}, "kv must have a head dimension of 1"),
+        "batched kv, unbatched q": ((q, torch.stack([kv, kv]), idx), {}, "a batched kv or indices needs a batched q"),
+        "q not a tensor": ((q.tolist(), kv, idx), {}, "q must be a torch.Tensor, got list"),
         "index heads": ((q, kv, idx[:, None].expand(6, 4, 5)), {}, "indices must have a head dimension of 1"),
         "d_qk": ((q, kv[:, :16], idx), {}, "mismatched d_qk"),
         "d_v > d_qk": ((q, kv, idx), {"d_v": 64}, "d_v (64) must be <= d_qk (32)"),
