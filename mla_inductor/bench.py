@@ -80,9 +80,7 @@ def bench_fwd(Ts, Hs, topk, patterns=("random", "causal")):
     counts ``Hs`` at d_qk 576 / d_v 512, bf16. Exits with a message when sm90 cannot run here."""
     from mla_inductor.kernels import sm90
 
-    ok, why = sm90.available()
-    if not ok:
-        raise SystemExit(f"sm90 forward not available here: {why}")
+    require_sm90("forward")
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# sparse-MLA forward, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, d_qk {D_QK}, d_v {D_V}, topk {topk}, S = 2T, bf16")
@@ -113,27 +111,46 @@ def bench_fwd(Ts, Hs, topk, patterns=("random", "causal")):
         del kv
 
 
+def shape_parser(prog: str, description: str = None) -> argparse.ArgumentParser:
+    """An argument parser with the benches' shared shape flags ``--T``, ``--H``, ``--topk``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--T", type=int, nargs="+", default=[4096, 16384],
+                        help="token counts T (S = 2T); default: 4096 16384")
+    parser.add_argument("--H", type=int, nargs="+", default=[128, 64],
+                        help="head counts; default: 128 64")
+    parser.add_argument("--topk", type=int, default=2048, help="slots per token; default: 2048")
+    return parser
+
+
+def require_sm90(what: str) -> None:
+    """Raises ``SystemExit("sm90 <what> not available here: <reason>")`` unless the SM90 kernels
+    can run on this machine."""
+    from mla_inductor.kernels import sm90
+
+    ok, why = sm90.available()
+    if not ok:
+        raise SystemExit(f"sm90 {what} not available here: {why}")
+
+
 def main(argv=None):
-    """``python -m mla_inductor.bench {fwd,bwd,train} ...`` (see the module docstring)."""
+    """``python -m mla_inductor.bench {fwd,bwd,train} ...`` (see the module docstring); exits with
+    a usage error for another subcommand."""
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bwd"]:
+    what, rest = (argv[0], argv[1:]) if argv else (None, [])
+    if what == "bwd":
         from .bench_bwd import main as bench_bwd
 
-        return bench_bwd(argv[1:])
-    if argv[:1] == ["train"]:
+        return bench_bwd(rest)
+    if what == "train":
         from .bench_train import main as bench_train
 
-        return bench_train(argv[1:])
-    parser = argparse.ArgumentParser(prog="python -m mla_inductor.bench")
-    parser.add_argument("what", choices=["fwd", "bwd", "train"])
-    parser.add_argument("--T", type=int, nargs="+", default=[4096, 16384],
-                    help="token counts T (S = 2T); default: 4096 16384")
-    parser.add_argument("--H", type=int, nargs="+", default=[128, 64],
-                    help="head counts; default: 128 64")
-    parser.add_argument("--topk", type=int, default=2048, help="slots per token; default: 2048")
-    args = parser.parse_args(argv)
+        return bench_train(rest)
+    if what != "fwd":
+        argparse.ArgumentParser(prog="python -m mla_inductor.bench").error(
+            f"the first argument must be fwd, bwd or train, got {what!r}")
+    args = shape_parser("python -m mla_inductor.bench fwd", "SM90 forward benchmark").parse_args(rest)
     bench_fwd(args.T, args.H, args.topk)
 
 

@@ -9,11 +9,9 @@ per head, i.e. no sink) with the ratio ours / cuDNN.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 
-from .bench import make_indices, time_ms
+from .bench import make_indices, require_sm90, shape_parser, time_ms
 from .kernels import reference
 from .kernels.sm90 import bwd
 
@@ -35,7 +33,8 @@ def _rel_l2(a, b):
 def run(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True):
     """Prints one line: the sm90 backward's time (ms) and TFLOPS at ``T`` tokens, S = 2T, ``H``
     heads, bf16, ``pattern`` indices (see :func:`mla_inductor.bench.make_indices`), next to
-    cuDNN's (when importable) and the reference backend's."""
+    cuDNN's (when importable) and the reference backend's. Needs a CUDA device where the sm90
+    kernels run (:func:`mla_inductor.bench.require_sm90`)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     S = 2 * T
     q = torch.randn(T, H, d_qk, device="cuda", generator=g).bfloat16()
@@ -64,20 +63,13 @@ def run(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m mla_inductor.bench bwd", description=__doc__.splitlines()[0])
-    ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384],
-                    help="token counts T (S = 2T); default: 4096 16384")
-    ap.add_argument("--H", type=int, nargs="+", default=[128, 64],
-                    help="head counts; default: 128 64")
-    ap.add_argument("--topk", type=int, default=2048, help="slots per token; default: 2048")
+    """``python -m mla_inductor.bench bwd [--T ...] [--H ...] [--topk N] [--no-reference]``.
+    Exits with a message when the sm90 kernels cannot run here."""
+    ap = shape_parser("python -m mla_inductor.bench bwd", __doc__.splitlines()[0])
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the (slow) PyTorch reference column")
     args = ap.parse_args(argv)
-    from .kernels import sm90
-
-    ok, why = sm90.available()
-    if not ok:
-        raise SystemExit(f"sm90 backward not available here: {why}")
+    require_sm90("backward")
     for T in args.T:
         for H in args.H:
             for pattern in ("random", "causal"):

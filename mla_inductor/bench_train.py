@@ -15,7 +15,6 @@ backend (``reference``) in the same run:
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import time
 
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 
 from . import backends, demo
 from .api import sparse_mla
-from .bench import D_QK, D_V, make_indices, time_ms
+from .bench import D_QK, D_V, make_indices, require_sm90, shape_parser, time_ms
 
 
 def layer_flops(T: int, H: int, topk: int, d_qk: int = D_QK, d_v: int = D_V) -> int:
@@ -33,7 +32,9 @@ def layer_flops(T: int, H: int, topk: int, d_qk: int = D_QK, d_v: int = D_V) -> 
 
 
 def bench_layer(Ts, Hs, topk, patterns=("random", "causal")):
-    """Prints the one-layer forward + backward table for token counts ``Ts`` (S = 2T)."""
+    """Prints the one-layer forward + backward table (module docstring) for token counts ``Ts``
+    (S = 2T), head counts ``Hs``, d_qk 576 / d_v 512, bf16. Needs a CUDA device where the sm90
+    kernels run (:func:`mla_inductor.bench.require_sm90`)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# sparse-MLA layer forward + backward, {datetime.date.today()}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, d_qk {D_QK}, d_v {D_V}, "
@@ -69,8 +70,9 @@ def bench_layer(Ts, Hs, topk, patterns=("random", "causal")):
 
 
 def bench_model(cfg: demo.Config, warmup: int = 3, steps: int = 10):
-    """Prints ms per compiled training step of the demo model for the sm90 and reference
-    backends (the same seed and batches for both)."""
+    """Prints ms per compiled training step (median of ``steps`` after ``warmup`` steps) of the demo
+    model configured by ``cfg`` for the sm90 and reference backends (the same seed and batches for
+    both). Needs a CUDA device where the sm90 kernels run."""
     cfg = cfg.resolved()
     dtype = getattr(torch, cfg.dtype)
     data = demo.load_corpus()
@@ -108,22 +110,12 @@ def bench_model(cfg: demo.Config, warmup: int = 3, steps: int = 10):
 def main(argv=None):
     """``python -m mla_inductor.bench train [--T ...] [--H ...] [--topk N] [--skip-layer]
     [--skip-model]``. Exits with a message when the sm90 kernels cannot run here."""
-    from .kernels import sm90
-
-    ap = argparse.ArgumentParser(prog="python -m mla_inductor.bench train",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--T", type=int, nargs="+", default=[4096, 16384],
-                    help="token counts T (S = 2T); default: 4096 16384")
-    ap.add_argument("--H", type=int, nargs="+", default=[128, 64],
-                    help="head counts; default: 128 64")
-    ap.add_argument("--topk", type=int, default=2048, help="slots per token; default: 2048")
+    ap = shape_parser("python -m mla_inductor.bench train", __doc__.splitlines()[0])
     ap.add_argument("--skip-layer", action="store_true", help="skip the one-layer table")
     ap.add_argument("--skip-model", action="store_true",
                     help="skip the demo-model training step")
     args = ap.parse_args(argv)
-    ok, why = sm90.available()
-    if not ok:
-        raise SystemExit(f"sm90 kernels not available here: {why}")
+    require_sm90("kernels")
     if not args.skip_layer:
         bench_layer(args.T, args.H, args.topk)
     if not args.skip_model:

@@ -50,6 +50,20 @@ def sparse_mla_fwd(
     rescale_threshold: float,
     return_o_lo: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """Sparse-MLA forward on the backend :mod:`mla_inductor.backends` selects.
+
+    ``q [T, H, d_qk]`` bf16/fp16 (fp32 on the reference backend), ``kv [S, d_qk]`` same dtype,
+    ``indices [T, topk]`` int32 (< 0 or >= S: empty slot), ``topk_length [T]`` int32 or None,
+    ``sm_scale`` (natural-log domain), ``d_v <= d_qk``, ``rescale_threshold`` in log2 units (0.0
+    exact running max, > 0 lazy rescale). Returns ``out [T, H, d_v]`` in q's dtype,
+    ``lse [T, H]`` float32 natural log (-inf on rows without a valid slot) and ``o_lo``:
+    ``float32(O) - out`` ``[T, H, d_v]`` float32 when ``return_o_lo``, else an empty float32
+    tensor.
+
+    Raises:
+        RuntimeError: the input checks of :mod:`mla_inductor.validation` (the same messages from
+            the fake kernel at trace time), or a forced backend that cannot run here.
+    """
     check_forward_inputs(q, kv, indices, topk_length, d_v)
     backend = backends.select(q.device, q.dtype, "forward", _dims(q, kv, d_v))
     return backend.forward(
@@ -86,6 +100,18 @@ def sparse_mla_bwd(
     sm_scale: float,
     d_v: int,
 ) -> tuple[Tensor, Tensor]:
+    """Sparse-MLA backward on the backend :mod:`mla_inductor.backends` selects.
+
+    ``dout [T, H, d_v]`` in q's dtype; ``q``, ``kv``, ``indices``, ``topk_length``, ``sm_scale``,
+    ``d_v`` as for :func:`sparse_mla_fwd`; ``out``, ``lse``, ``o_lo`` that forward's outputs
+    (``o_lo`` empty: dpsum from ``out`` alone). Returns ``dq [T, H, d_qk]`` in q's dtype and
+    ``dkv [S, d_qk]`` in kv's dtype; empty slots contribute nothing and rows of kv that no valid
+    slot references get exact zeros.
+
+    Raises:
+        RuntimeError: the input checks of :mod:`mla_inductor.validation` (also from the fake
+            kernel at trace time), or a forced backend that cannot run here.
+    """
     check_backward_inputs(dout, q, kv, indices, topk_length, out, lse, o_lo, d_v)
     backend = backends.select(q.device, q.dtype, "backward", _dims(q, kv, d_v))
     return backend.backward(

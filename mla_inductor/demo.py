@@ -91,6 +91,8 @@ class Config:
 
 @dataclasses.dataclass
 class Report:
+    """What :func:`run` measured (losses are natural-log cross-entropy per byte)."""
+
     device: str
     dtype: str
     backend_requested: str
@@ -110,6 +112,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
+        """No graph break, and the mean loss of the last steps is below that of the first."""
         return self.graph_breaks == 0 and self.loss_end < self.loss_start
 
 
@@ -185,6 +188,8 @@ class SparseMLA(nn.Module):
 
 
 class Block(nn.Module):
+    """Pre-norm transformer block: sparse MLA attention, then a GELU MLP."""
+
     def __init__(self, cfg: Config, dtype: torch.dtype):
         super().__init__()
         self.norm1 = nn.RMSNorm(cfg.d_model)
@@ -288,6 +293,7 @@ def compiled_graphs() -> int:
 
 
 def graph_breaks() -> int:
+    """Dynamo graph breaks counted so far in this process."""
     return sum(torch._dynamo.utils.counters["graph_break"].values())
 
 

@@ -54,6 +54,7 @@ class KernelCache:
         return len(self._mem)
 
     def items(self):
+        """The in-memory ``(key, compiled function)`` pairs."""
         return self._mem.items()
 
     def get(self, key: Hashable, build: Callable[[], Callable]) -> Callable:

@@ -48,6 +48,7 @@ _LN2 = math.log(2.0)
 
 
 def available() -> tuple[bool, str]:
+    """Always ``(True, "")``: plain PyTorch runs on every device."""
     return True, ""
 
 

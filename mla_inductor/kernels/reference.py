@@ -23,6 +23,7 @@ _CHUNK_ELEMENTS = 1 << 22  # fp32 elements of gathered rows per chunk (16 MiB)
 
 
 def available() -> tuple[bool, str]:
+    """Always ``(True, "")``: plain PyTorch runs on every device."""
     return True, ""
 
 

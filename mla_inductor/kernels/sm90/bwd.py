@@ -107,7 +107,8 @@ def _smem_bytes(d_qk: int, d_v: int) -> int:
 
 
 def dkv_interleave(x: torch.Tensor) -> torch.Tensor:
-    """Plain ``[S, d]`` -> the kernel's interleaved column order (a contiguous copy).
+    """Plain ``[S, d]`` (any dtype, ``d`` a multiple of 16) -> the kernel's interleaved column
+    order, same dtype (a contiguous copy).
 
     Within every aligned group of 16 columns, column ``8 * h + 2 * q + l`` (h, l in {0, 1},
     q in 0..3) is stored at position ``4 * q + 2 * h + l``: the four values that one thread of a
@@ -118,9 +119,9 @@ def dkv_interleave(x: torch.Tensor) -> torch.Tensor:
 
 
 def dkv_deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`dkv_interleave`: the kernel's accumulator -> plain ``[S, d]`` order."""
-    S, d = x.shape
-    return x.view(S, d // _GROUP, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(S, d)
+    """Inverse of :func:`dkv_interleave`: the kernel's accumulator ``[S, d]`` -> plain column
+    order, same dtype (a contiguous copy; :func:`dkv_from_accum` with ``x``'s dtype)."""
+    return dkv_from_accum(x, x.dtype)
 
 
 def transposed(t):
@@ -249,6 +250,7 @@ class SparseMlaBackwardSm90:
             cute.gemm(tiled_mma, acc, tA[None, None, k], tB[None, None, k], acc)
 
     def make_mma(self, a_major, b_major, n):
+        """A one-warpgroup 64 x ``n`` wgmma (fp32 accumulate, ACCUMULATE on) of the input dtype."""
         tiled = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, a_major, b_major, Float32, (1, 1, 1), (_TILE_M, n)
         )
@@ -284,6 +286,7 @@ class SparseMlaBackwardSm90:
         mdKV: cute.Tensor,
         sm_scale: Float32,
     ):
+        """Device entry: one CTA per (token, 64-head tile); the design is the module docstring."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // _WG_THREADS)
@@ -423,25 +426,13 @@ class SparseMlaBackwardSm90:
                 if sRow[stage * _TILE_N + n] < 0:
                     p = Float32(0.0)
                 acc_s[i] = p
-            rP = cute.make_rmem_tensor_like(acc_s, self.dtype)
-            rP.store(acc_s.load().to(self.dtype))
-            if blk > 0:
-                cute.arch.barrier(barrier_id=_BAR_P_FREE, number_of_threads=_NUM_THREADS)
-            self.store_tile(rP, sP, t)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=_BAR_P_READY, number_of_threads=_NUM_THREADS)
+            self.hand_over(acc_s, sP, t, blk, _BAR_P_FREE, _BAR_P_READY)
 
             warpgroup.wait_group(0)  # dP done
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 m, n = c_sp[i]
                 acc_dp[i] = acc_s[i] * (acc_dp[i] - sDpsum[m]) * sm_scale
-            rdS = cute.make_rmem_tensor_like(acc_dp, self.dtype)
-            rdS.store(acc_dp.load().to(self.dtype))
-            if blk > 0:
-                cute.arch.barrier(barrier_id=_BAR_DS_FREE, number_of_threads=_NUM_THREADS)
-            self.store_tile(rdS, sdS, t)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier_arrive(barrier_id=_BAR_DS_READY, number_of_threads=_NUM_THREADS)
+            self.hand_over(acc_dp, sdS, t, blk, _BAR_DS_FREE, _BAR_DS_READY)
             cute.arch.barrier(barrier_id=_BAR_WG0, number_of_threads=_WG_THREADS)  # all of dS
 
             oKV = self.opaque(sKV, _TILE_N, self.d_qk)
@@ -453,6 +444,21 @@ class SparseMlaBackwardSm90:
             warpgroup.wait_group(0)  # K/V no longer needed by warpgroup 0
 
         self.store_dq(mdQ, token, head0, thr_dq, acc_dq, c0, w)
+
+    @cute.jit
+    def hand_over(self, acc: cute.Tensor, sT: cute.Tensor, t: Int32, blk: Int32,
+                  bar_free: cutlass.Constexpr[int], bar_ready: cutlass.Constexpr[int]):
+        """Hands a 64 x 64 fp32 fragment of warpgroup 0 (P or dS) to warpgroup 1: rounds it to the
+        input dtype, waits until warpgroup 1 has released the tile's previous contents
+        (``bar_free``, from the second block on), stores it (:meth:`store_tile`) and signals
+        ``bar_ready``."""
+        r16 = cute.make_rmem_tensor_like(acc, self.dtype)
+        r16.store(acc.load().to(self.dtype))
+        if blk > 0:
+            cute.arch.barrier(barrier_id=bar_free, number_of_threads=_NUM_THREADS)
+        self.store_tile(r16, sT, t)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=bar_ready, number_of_threads=_NUM_THREADS)
 
     @cute.jit
     def store_tile(self, r16: cute.Tensor, sT: cute.Tensor, t: Int32):
@@ -761,8 +767,9 @@ def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
 
 
 def dkv_from_accum(dkv_accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Postprocess: the interleaved fp32 accumulator -> plain ``[S, d_qk]`` dkv in ``dtype``
-    (one fused un-interleave + cast)."""
+    """Postprocess: the interleaved accumulator ``dkv_accum [S, d]`` (float32 from the kernel; ``d``
+    a multiple of 16) -> plain-order ``[S, d]`` dkv in ``dtype``, one fused un-interleave + cast
+    (see :func:`dkv_interleave` for the order)."""
     S, d = dkv_accum.shape
     dkv = torch.empty(S, d, dtype=dtype, device=dkv_accum.device)
     dkv.view(S, d // _GROUP, 2, 4, 2).copy_(dkv_accum.view(S, d // _GROUP, 4, 2, 2).permute(0, 1, 3, 2, 4))

@@ -217,6 +217,7 @@ class SparseMlaFwdSm90:
         tiled_mma_pv_rs: cute.TiledMma,
         tiled_mma_pv_ss: cute.TiledMma,
     ):
+        """Device entry: one CTA per (token, 64-head tile); the design is the module docstring."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -430,12 +431,7 @@ class SparseMlaFwdSm90:
                     cute.arch.barrier_arrive(barrier_id=BAR_P_A, number_of_threads=256)
 
                     # O[:, :d_v/2] += P_B V_B[:, :d_v/2]
-                    cute.arch.barrier(barrier_id=BAR_P_B, number_of_threads=256)
-                    warpgroup.fence()
-                    for k in cutlass.range_constexpr(cute.size(tOsP.shape[2])):
-                        cute.gemm(mma_ss, acc_O, tOsP[None, None, k, pb_idx],
-                                  tOrV_ss[None, None, k, 1], acc_O)
-                    warpgroup.commit_group()
+                    self._other_pv(mma_ss, acc_O, tOsP, pb_idx, tOrV_ss, 1, BAR_P_B)
                 warpgroup.wait_group(0)
                 self._epilogue(0, acc_O, row_max, row_sum, psum, sL, thr_rs, sKV, mO, mLSE, mOlo,
                                t, h0, num_heads, row0, row1, lane, ct)
@@ -480,12 +476,7 @@ class SparseMlaFwdSm90:
                     cute.arch.barrier_arrive(barrier_id=BAR_P_B, number_of_threads=256)
 
                     # O[:, d_v/2:] += P_A V_A[:, d_v/2:]
-                    cute.arch.barrier(barrier_id=BAR_P_A, number_of_threads=256)
-                    warpgroup.fence()
-                    for k in cutlass.range_constexpr(cute.size(tOsP.shape[2])):
-                        cute.gemm(mma_ss, acc_O, tOsP[None, None, k, pa_idx],
-                                  tOrV_ss[None, None, k, 0], acc_O)
-                    warpgroup.commit_group()
+                    self._other_pv(mma_ss, acc_O, tOsP, pa_idx, tOrV_ss, 0, BAR_P_A)
                     warpgroup.wait_group(1)
                     cute.arch.mbarrier_arrive(mbar_empty + 3)  # own right quarter free
                     warpgroup.wait_group(0)
@@ -608,6 +599,18 @@ class SparseMlaFwdSm90:
         warpgroup.fence()
         for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
             cute.gemm(mma_rs, acc_O, tOrP[None, None, k], tOrV_rs[None, None, k, stage], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _other_pv(self, mma_ss, acc_O, tOsP, p_idx, tOrV_ss, stage: cutlass.Constexpr,
+                  bar_p: cutlass.Constexpr):
+        """Waits for the other consumer's P (named barrier ``bar_p``), then issues and commits
+        ``O += P_other V[stage]`` with P from shared memory (SS wgmma)."""
+        cute.arch.barrier(barrier_id=bar_p, number_of_threads=256)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOsP.shape[2])):
+            cute.gemm(mma_ss, acc_O, tOsP[None, None, k, p_idx], tOrV_ss[None, None, k, stage],
+                      acc_O)
         warpgroup.commit_group()
 
     @cute.jit
