@@ -12,16 +12,17 @@ from mla_inductor.kernels.sm90 import bwd  # noqa: E402
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "heads,d_qk,d_v,has_topk_length", [(128, 576, 512, False), (72, 512, 512, True)]
+    "heads,d_qk,d_v,has_topk_length,has_o_lo",
+    [(128, 576, 512, False, True), (72, 512, 512, True, False)],
 )
-def test_backward_compiles_for_sm90a(heads, d_qk, d_v, has_topk_length):
+def test_backward_compiles_for_sm90a(heads, d_qk, d_v, has_topk_length, has_o_lo):
     compiled = bwd.precompile_backward(
         "sm_90a", dtypes=(torch.bfloat16,), heads=(heads,), d_qk=d_qk, d_v=d_v,
-        topk_length=(has_topk_length,),
+        topk_length=(has_topk_length,), o_lo=(has_o_lo,),
     )
     (key,) = compiled
-    assert key == ("bfloat16", heads, d_qk, d_v, has_topk_length, "sm_90a")
-    assert key == bwd.compile_key(torch.bfloat16, heads, d_qk, d_v, has_topk_length)
+    assert key == ("bfloat16", heads, d_qk, d_v, has_topk_length, has_o_lo, "sm_90a")
+    assert key == bwd.compile_key(torch.bfloat16, heads, d_qk, d_v, has_topk_length, has_o_lo)
     assert callable(compiled[key])
 
 

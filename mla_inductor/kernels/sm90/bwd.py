@@ -18,16 +18,21 @@ A row with no valid slot (``lse = -inf``) gets finite zero gradients.
 
 Stages (all on torch's current stream, capturable in CUDA graphs):
 
-1. preprocess (torch ops): ``dpsum`` in fp32 and ``lse_log2 = lse * log2(e)`` (+inf for rows
-   with ``lse = -inf``, so that every P of such a row is exactly 0);
-2. the main kernel below, which accumulates dkv into a zeroed fp32 buffer ``dkv_accum [S, d_qk]``
+1. the main kernel below, whose prologue is the preprocess: ``dpsum`` in fp32 from ``dout``,
+   ``out`` and ``o_lo`` (4 threads per head row, loads batched so that many are in flight while
+   the Q / dO / first-block copies land) and ``lse_log2 = lse * log2(e)`` (+inf for rows with
+   ``lse = -inf``, so that every P of such a row is exactly 0); it accumulates dkv into a zeroed fp32 buffer ``dkv_accum [S, d_qk]``
    whose columns are **interleaved** within aligned groups of 16 (column ``8h + 2q + l`` of a
    group is stored at ``4q + 2h + l``, h, l in {0, 1}, q in 0..3; rows are not moved), so that
    the four values a wgmma accumulator thread holds for one row (columns c, c+1, c+8, c+9) are
    one 16-byte ``red.global.add.v4.f32`` (callers may pass their own buffer, see
    :func:`backward_into`, :func:`dkv_interleave`, :func:`dkv_deinterleave`);
-3. postprocess (torch op, :func:`dkv_from_accum`): un-interleave and cast to kv's dtype in one
+2. postprocess (torch op, :func:`dkv_from_accum`): un-interleave and cast to kv's dtype in one
    copy.
+
+The preprocess was three torch ops with fp32 temporaries (about 10 GB of traffic at T = 4096,
+H = 128, 2.7 ms of a 17.8 ms backward on the H200); inside the kernel it reads 2.1 GB once and
+costs about 0.75 ms (measured against a kernel without it, same run).
 
 Main kernel design (warp-specialised like the cuDNN frontend's SM90 DSA backward, summarised in
 ``shared/docs/study-sparse-mla-kernels.md`` section 4.1; written independently):
@@ -49,8 +54,9 @@ Main kernel design (warp-specialised like the cuDNN frontend's SM90 DSA backward
   dKV = P^T.dO + dS^T.Q for the other 64-column chunks; each chunk's wgmma is waited and its
   accumulator scattered into the interleaved ``dkv_accum[idx]`` with ``red.global.add.v4.f32``,
   skipping empty slots; lanes l and l ^ 4 (keys k and k ^ 1) first swap one 16-column group
-  with a shuffle, so that every red instruction of a warp covers 4 keys x one full 128-byte
-  line;
+  with a shuffle, so that every red instruction of a warp covers 4 keys x one whole 128-byte
+  line (see :meth:`SparseMlaBackwardSm90.scatter`): the same sectors as 8 keys x 64 bytes, but
+  half the L2 requests, which is what the atomics are limited by (6% faster on the H200);
 * the hand-offs are named barriers (bar.arrive on one side, bar.sync on the other): P ready /
   dS ready (0 -> 1); P free / dS free (1 -> 0: the next block's P / dS may be stored); K/V free
   (1 -> 0: warpgroup 1's dq is done, the next block may be gathered);
@@ -79,7 +85,7 @@ from cutlass.memory import SmemAllocator
 
 from ..cache import KernelCache
 from . import SUPPORTED_DIMS
-from .fwd import target_arch
+from .fwd import contiguous_aligned, target_arch
 from .ptx import cp_async_16, opaque_i32, red_add_f32x4, st_shared_b32
 
 _TILE_M = 64  # heads per CTA (wgmma M)
@@ -138,9 +144,12 @@ def kmajor_sw128(dtype, rows: int, cols: int):
 
 
 class SparseMlaBackwardSm90:
-    """Static configuration: dtype, head count, d_qk, d_v, topk_length present or not."""
+    """Static configuration: dtype, head count, d_qk, d_v, topk_length present or not, o_lo
+    passed or not."""
 
-    def __init__(self, dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool):
+    def __init__(self, dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
+                 has_o_lo: bool = True):
+        self.has_o_lo = has_o_lo
         self.dtype = dtype
         self.heads = heads
         self.d_qk = d_qk
@@ -158,8 +167,9 @@ class SparseMlaBackwardSm90:
         mQ: cute.Tensor,  # [T, H, d_qk]
         mKV: cute.Tensor,  # [S, d_qk]
         mdO: cute.Tensor,  # [T, H, d_v]
-        mLSE2: cute.Tensor,  # [T, H] fp32, lse * log2(e) (+inf for empty rows)
-        mDpsum: cute.Tensor,  # [T, H] fp32
+        mOut: cute.Tensor,  # [T, H, d_v], the forward's out
+        mOlo: Optional[cute.Tensor],  # [T, H, d_v] fp32, the forward's o_lo
+        mLSE: cute.Tensor,  # [T, H] fp32, natural log (-inf for rows without a valid slot)
         mIdx: cute.Tensor,  # [T, topk] int32
         mTopkLen: Optional[cute.Tensor],  # [T] int32
         mdQ: cute.Tensor,  # [T, H, d_qk]
@@ -169,7 +179,7 @@ class SparseMlaBackwardSm90:
     ):
         T = mQ.shape[0]
         self.kernel(
-            mQ, mKV, mdO, mLSE2, mDpsum, mIdx, mTopkLen, mdQ, mdKV, sm_scale,
+            mQ, mKV, mdO, mOut, mOlo, mLSE, mIdx, mTopkLen, mdQ, mdKV, sm_scale,
         ).launch(
             grid=[T * self.head_tiles, 1, 1],
             block=[_NUM_THREADS, 1, 1],
@@ -203,6 +213,43 @@ class SparseMlaBackwardSm90:
             pred = cute.make_fragment_like(ts[(0, None), None], Boolean)
             pred.fill(valid)
             cute.copy(atom, tg, ts, pred=pred)
+
+    @cute.jit
+    def dpsum_to_smem(self, mdO: cute.Tensor, mOut: cute.Tensor, mOlo: Optional[cute.Tensor],
+                      token: Int32, head0: Int32, sDpsum: cute.Tensor, t: Int32):
+        """The preprocess, inside the kernel (thread ``t`` of 256): ``sDpsum[m] = sum(dout *
+        (out + o_lo))`` over head ``head0 + m``'s row (fp32; without o_lo ``sum(dout * out)``;
+        0 for heads >= H). The four lanes ``t = 4 m + part`` share a row: lane ``part`` reads
+        the 8-column pieces ``4 k + part`` and two butterfly shuffles complete the sum. The
+        loads go out in batches of 8 pieces before any arithmetic, so that many are in flight,
+        while the Q / dO / first-block copies land."""
+        n_parts = 4
+        m = t // n_parts
+        part = t % n_parts
+        ok = head0 + m < self.heads
+        head = head0 + m if ok else Int32(0)
+        acc = Float32(0.0)
+        batch = 8
+        for b in cutlass.range_constexpr(self.d_v // (8 * n_parts * batch)):
+            r_do, r_out, r_lo = [], [], []
+            for k in cutlass.range_constexpr(batch):
+                piece = (b * batch + k) * n_parts + part
+                r_do.append(cute.make_rmem_tensor((8,), self.dtype))
+                r_out.append(cute.make_rmem_tensor((8,), self.dtype))
+                cute.autovec_copy(cute.local_tile(mdO[token, head, None], (8,), (piece,)), r_do[k])
+                cute.autovec_copy(cute.local_tile(mOut[token, head, None], (8,), (piece,)), r_out[k])
+                if const_expr(self.has_o_lo):
+                    r_lo.append(cute.make_rmem_tensor((8,), Float32))
+                    cute.autovec_copy(cute.local_tile(mOlo[token, head, None], (8,), (piece,)), r_lo[k])
+            for k in cutlass.range_constexpr(batch):
+                o = r_out[k].load().to(Float32)
+                if const_expr(self.has_o_lo):
+                    o = o + r_lo[k].load()
+                acc = acc + (r_do[k].load().to(Float32) * o).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
+        acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=2)
+        if part == 0:
+            sDpsum[m] = acc if ok else Float32(0.0)
 
     @cute.jit
     def load_indices(
@@ -278,8 +325,9 @@ class SparseMlaBackwardSm90:
         mQ: cute.Tensor,
         mKV: cute.Tensor,
         mdO: cute.Tensor,
-        mLSE2: cute.Tensor,
-        mDpsum: cute.Tensor,
+        mOut: cute.Tensor,
+        mOlo: Optional[cute.Tensor],
+        mLSE: cute.Tensor,
         mIdx: cute.Tensor,
         mTopkLen: Optional[cute.Tensor],
         mdQ: cute.Tensor,
@@ -325,20 +373,20 @@ class SparseMlaBackwardSm90:
             self.copy_row(mQ[token, head_c, None], sQ[row, None], ok, self.d_qk, lane8)
             self.copy_row(mdO[token, head_c, None], sdO[row, None], ok, self.d_v, lane8)
         cute.arch.cp_async_commit_group()
-        if tidx < _TILE_M:
-            head = head0 + tidx
-            lse2 = Float32.inf
-            dps = Float32(0.0)
-            if head < self.heads:
-                lse2 = mLSE2[token, head]
-                dps = mDpsum[token, head]
-            sLSE2[tidx] = lse2
-            sDpsum[tidx] = dps
         rIdx = cute.make_rmem_tensor(cute.make_layout((_TILE_N // 16,)), Int32)
         if wg == 0:
             if n_blocks > 0:
                 self.load_indices(Int32(0), token, n_valid, mIdx, mKV.shape[0], rIdx, tidx)
                 self.gather(Int32(0), mKV, rIdx, sKV, sRow, tidx)
+        # the preprocess: lse in log2 units, +inf for a row without a valid slot (lse = -inf),
+        # so that every P of that row is exactly 0; dpsum
+        if tidx < _TILE_M:
+            lse2 = Float32.inf
+            if head0 + tidx < self.heads:
+                lse = mLSE[token, head0 + tidx]
+                lse2 = cutlass.select_(lse == -Float32.inf, Float32.inf, lse * Float32(_LOG2_E))
+            sLSE2[tidx] = lse2
+        self.dpsum_to_smem(mdO, mOut, mOlo, token, head0, sDpsum, tidx)
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()  # Q, dO, lse, dpsum, block 0 and sRow[0] ready
@@ -523,15 +571,12 @@ class SparseMlaBackwardSm90:
 
         # Scatter geometry (wgmma accumulator of a 64 x 64 chunk: thread (warp w, lane l) holds
         # keys k0 = 16 w + l // 4 and k0 + 8, columns 8 j + 2 (l % 4) + {0, 1}, j = 0..7; register
-        # 4 j + 2 h + e is key k0 + 8 h, column 8 j + 2 (l % 4) + e). Lanes l and l ^ 4 hold keys
-        # k and k ^ 1: they swap halves so that each red.v4 instruction of the warp covers four
-        # keys x one full 128-byte line of the interleaved accumulator.
+        # 4 j + 2 h + e is key k0 + 8 h, column 8 j + 2 (l % 4) + e)
         lane = t % 32
         k0 = (t // 32) * 16 + lane // 4
-        par = (lane // 4) % 2
-        col_off = par * _GROUP + (lane % 4) * 4  # interleaved column of this thread in a 32-column line
         dkv_base = mdKV.iterator.toint()
-        rRow = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)  # kv rows of k0, k0^1, k0+8, (k0+8)^1
+        # kv rows (-1: empty slot) of keys k0, k0 + 8 and of their partners k0 ^ 1, (k0 + 8) ^ 1
+        rRow = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
 
         last_p_chunk = self.n_chunks_v - 1
         last_chunk = self.n_chunks - 1
@@ -541,8 +586,8 @@ class SparseMlaBackwardSm90:
             more = blk + 1 < n_blocks
             cute.arch.barrier(barrier_id=_BAR_P_READY, number_of_threads=_NUM_THREADS)
             for h in cutlass.range_constexpr(2):
-                rRow[2 * h] = sRow[stage * _TILE_N + k0 + 8 * h]
-                rRow[2 * h + 1] = sRow[stage * _TILE_N + ((k0 + 8 * h) ^ 1)]
+                rRow[h] = sRow[stage * _TILE_N + k0 + 8 * h]
+                rRow[2 + h] = sRow[stage * _TILE_N + ((k0 + 8 * h) ^ 1)]
 
             oQ = self.opaque(sQ, _TILE_M, self.d_qk)
             odO = self.opaque(sdO, _TILE_M, self.d_v)
@@ -570,7 +615,7 @@ class SparseMlaBackwardSm90:
                 self.gemm(mma_dq[j], acc_dq[j], tA_ds[j], tB_kt[j])
             warpgroup.commit_group()
             warpgroup.wait_group(1)  # chunk 0 done (dq may still run)
-            self.scatter(acc_kv, 0, rRow, dkv_base, col_off, par)
+            self.scatter(acc_kv, 0, rRow, dkv_base, lane)
             for c in cutlass.range_constexpr(1, self.n_chunks):
                 self.issue_chunk(mma_kv, acc_kv, c, ops)
                 warpgroup.wait_group(0)  # chunk c (and dq) done
@@ -583,7 +628,7 @@ class SparseMlaBackwardSm90:
                 if const_expr(c == last_chunk):
                     if more:
                         cute.arch.barrier_arrive(barrier_id=_BAR_DS_FREE, number_of_threads=_NUM_THREADS)
-                self.scatter(acc_kv, c, rRow, dkv_base, col_off, par)
+                self.scatter(acc_kv, c, rRow, dkv_base, lane)
 
         for j in cutlass.range_constexpr(len(dq_parts)):
             c0, w = dq_parts[j]
@@ -608,29 +653,37 @@ class SparseMlaBackwardSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def scatter(self, acc, c: cutlass.Constexpr[int], rRow, dkv_base, col_off, par):
+    def scatter(self, acc, c: cutlass.Constexpr[int], rRow, dkv_base, lane):
         """Adds a finished 64 x 64 dKV chunk into the interleaved fp32 accumulator, skipping
-        empty slots: per key and 32-column line, lanes l and l ^ 4 exchange one 16-column group
-        so that lane l writes group 2 L + par of both keys (its own and its partner's)."""
+        empty slots, so that every red instruction of a warp writes 4 keys x one whole 128-byte
+        line (32 columns): lanes l and l ^ 4 hold keys k and k ^ 1 (``par`` 0 / 1) and each
+        sends the other its upper 16-column group of the line with a shuffle; then the first
+        red writes key k's line (the par-0 lanes its lower group, the par-1 lanes the received
+        upper one) and the second red key k ^ 1's line the other way round. Whole-line reds
+        were 6% faster than 64-byte ones (same sectors, half the L2 requests; H200, T 4096)."""
+        par = (lane // 4) % 2
+        col = c * _CHUNK + (lane % 4) * 4  # interleaved column of this lane in the lower group
         for h in cutlass.range_constexpr(2):
-            own_row = rRow[2 * h]
-            other_row = rRow[2 * h + 1]
-            own_addr = dkv_base + (Int64(own_row) * self.d_qk + (c * _CHUNK + col_off)) * 4
-            other_addr = dkv_base + (Int64(other_row) * self.d_qk + (c * _CHUNK + col_off)) * 4
-            own_ok = Int32(own_row >= 0)
-            other_ok = Int32(other_row >= 0)
-            for L in cutlass.range_constexpr(2):
-                # group g (16 columns) of key k0 + 8 h: registers 8 g + 2 h + {0, 1} and 8 g + 4 + 2 h + {0, 1}
+            own, other = rRow[h], rRow[2 + h]
+            own_addr = dkv_base + (Int64(own) * self.d_qk + col) * 4
+            other_addr = dkv_base + (Int64(other) * self.d_qk + (col + _GROUP)) * 4
+            own_ok, other_ok = Int32(own >= 0), Int32(other >= 0)
+            addr_a = cutlass.select_(par == 1, other_addr, own_addr)
+            addr_b = cutlass.select_(par == 1, own_addr, other_addr)
+            ok_a = cutlass.select_(par == 1, other_ok, own_ok)
+            ok_b = cutlass.select_(par == 1, own_ok, other_ok)
+            for L in cutlass.range_constexpr(_CHUNK // (2 * _GROUP)):
+                # 16-column group g of key k0 + 8 h: registers 8 g + 2 h + {0, 1}, 8 g + 4 + 2 h + {0, 1}
                 g_lo = [acc[8 * (2 * L) + 2 * h + e] for e in (0, 1)] + \
                        [acc[8 * (2 * L) + 4 + 2 * h + e] for e in (0, 1)]
                 g_hi = [acc[8 * (2 * L + 1) + 2 * h + e] for e in (0, 1)] + \
                        [acc[8 * (2 * L + 1) + 4 + 2 * h + e] for e in (0, 1)]
-                keep = [g_hi[k] if par == 1 else g_lo[k] for k in range(4)]
-                send = [g_lo[k] if par == 1 else g_hi[k] for k in range(4)]
-                recv = [cute.arch.shuffle_sync_bfly(send[k], offset=4) for k in range(4)]
-                off = L * 2 * _GROUP * 4
-                red_add_f32x4(own_addr + off, keep[0], keep[1], keep[2], keep[3], own_ok)
-                red_add_f32x4(other_addr + off, recv[0], recv[1], recv[2], recv[3], other_ok)
+                recv = [cute.arch.shuffle_sync_bfly(g_hi[k], offset=4) for k in range(4)]
+                va = [cutlass.select_(par == 1, recv[k], g_lo[k]) for k in range(4)]
+                vb = [cutlass.select_(par == 1, g_lo[k], recv[k]) for k in range(4)]
+                line = L * 2 * _GROUP * 4
+                red_add_f32x4(addr_a + line, va[0], va[1], va[2], va[3], ok_a)
+                red_add_f32x4(addr_b + line, vb[0], vb[1], vb[2], vb[3], ok_b)
 
 
 _CACHE = KernelCache("mla_sm90_bwd")
@@ -638,17 +691,18 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 def compile_key(dtype: torch.dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
-                arch: str = "sm_90a") -> tuple:
+                has_o_lo: bool = True, arch: str = "sm_90a") -> tuple:
     """The static compile key: T, S and topk are symbolic; the head count is static."""
     return (str(dtype).removeprefix("torch."), int(heads), int(d_qk), int(d_v),
-            bool(has_topk_length), arch)
+            bool(has_topk_length), bool(has_o_lo), arch)
 
 
-def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_length: bool):
+def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
+                     has_o_lo: bool = True):
     """Compiles the main kernel for one static configuration (no GPU needed inside
-    :func:`target_arch`). The returned TVM-FFI function takes ``(q, kv, dout, lse_log2, dpsum,
-    indices, topk_length_or_None, dq, dkv_accum, sm_scale)`` as torch tensors and a float, and
-    runs on torch's current stream."""
+    :func:`target_arch`). The returned TVM-FFI function takes ``(q, kv, dout, out,
+    o_lo_or_None, lse, indices, topk_length_or_None, dq, dkv_accum, sm_scale)`` as torch tensors
+    and a float, and runs on torch's current stream."""
     cdtype = _DTYPES[dtype_name]
     T, S, K = cute.sym_int(), cute.sym_int(), cute.sym_int()
 
@@ -660,8 +714,9 @@ def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_
         fake(cdtype, (T, heads, d_qk), 16),  # q
         fake(cdtype, (S, d_qk), 16),  # kv
         fake(cdtype, (T, heads, d_v), 16),  # dout
-        fake(cutlass.Float32, (T, heads), 4),  # lse_log2
-        fake(cutlass.Float32, (T, heads), 4),  # dpsum
+        fake(cdtype, (T, heads, d_v), 16),  # out
+        fake(cutlass.Float32, (T, heads, d_v), 16) if has_o_lo else None,  # o_lo
+        fake(cutlass.Float32, (T, heads), 4),  # lse
         fake(cutlass.Int32, (T, K), 4),  # indices
         fake(cutlass.Int32, (T,), 4) if has_topk_length else None,  # topk_length
         fake(cdtype, (T, heads, d_qk), 16),  # dq
@@ -669,20 +724,22 @@ def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_
         cutlass.Float32(1.0),  # sm_scale
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    kernel = SparseMlaBackwardSm90(cdtype, heads, d_qk, d_v, has_topk_length)
+    kernel = SparseMlaBackwardSm90(cdtype, heads, d_qk, d_v, has_topk_length, has_o_lo)
     return cute.compile(kernel, *args, options="--enable-tvm-ffi")
 
 
 def get_kernel(key: tuple):
     """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now
     (raises :class:`~mla_inductor.kernels.cache.CompileDuringCaptureError` during capture)."""
-    return _CACHE.get(key, lambda: compile_backward(*key[:5]))
+    return _CACHE.get(key, lambda: compile_backward(*key[:6]))
 
 
 def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads=(128,),
-                        d_qk: int = 576, d_v: int = 512, topk_length=(False, True)) -> dict:
+                        d_qk: int = 576, d_v: int = 512, topk_length=(False, True),
+                        o_lo=(True,)) -> dict:
     """Compiles the backward kernel for ``arch`` without a GPU, for every combination of
-    ``dtypes`` x ``heads`` x ``topk_length``; returns ``{compile_key: fn}`` (also cached).
+    ``dtypes`` x ``heads`` x ``topk_length`` x ``o_lo`` (whether the forward's o_lo is passed:
+    a training forward always returns it); returns ``{compile_key: fn}`` (also cached).
 
     Raises:
         ValueError: for an arch other than ``sm_90a``.
@@ -694,24 +751,14 @@ def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads
         for dtype in dtypes:
             for h in heads:
                 for with_len in topk_length:
-                    key = compile_key(dtype, h, d_qk, d_v, with_len, arch)
-                    compiled[key] = get_kernel(key)
+                    for with_o_lo in o_lo:
+                        key = compile_key(dtype, h, d_qk, d_v, with_len, with_o_lo, arch)
+                        compiled[key] = get_kernel(key)
     return compiled
 
 
-def preprocess(dout, out, lse, o_lo):
-    """``(dpsum, lse_log2)`` as ``[T, H]`` float32: ``dpsum = rowsum(dout * (out + o_lo))``
-    (``o_lo`` empty: ``rowsum(dout * out)``); ``lse_log2 = lse * log2(e)``, +inf where lse = -inf."""
-    o = out.float()
-    if o_lo.numel() > 0:
-        o = o + o_lo
-    dpsum = (dout.float() * o).sum(-1)
-    lse_log2 = torch.where(torch.isneginf(lse), math.inf, lse * _LOG2_E).float()
-    return dpsum.contiguous(), lse_log2.contiguous()
-
-
 def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum):
-    """Runs the preprocess and the main kernel; returns ``dq [T, H, d_qk]`` (q's dtype) and adds
+    """Runs the main kernel (dpsum and lse in log2 units are computed inside it); returns ``dq [T, H, d_qk]`` (q's dtype) and adds
     the dkv gradient into ``dkv_accum`` (``[S, d_qk]`` float32, contiguous, 16-byte aligned;
     rows of empty slots are never touched).
 
@@ -731,9 +778,15 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
         raise ValueError(f"sm90 backward needs q, kv, dout of one dtype, bf16 or fp16; got "
                          f"{q.dtype}, {kv.dtype}, {dout.dtype}")
     if kv.dim() != 2 or kv.shape[1] != d_qk or tuple(dout.shape) != (T, H, d_v) \
-            or tuple(lse.shape) != (T, H):
+            or tuple(out.shape) != (T, H, d_v) or tuple(lse.shape) != (T, H) \
+            or (o_lo.numel() > 0 and tuple(o_lo.shape) != (T, H, d_v)):
         raise ValueError(f"shapes: q {tuple(q.shape)}, kv {tuple(kv.shape)} (need [S, d_qk]), dout "
-                         f"{tuple(dout.shape)} (need [T, H, d_v]), lse {tuple(lse.shape)} (need [T, H])")
+                         f"{tuple(dout.shape)} and out {tuple(out.shape)} (need [T, H, d_v]), lse "
+                         f"{tuple(lse.shape)} (need [T, H]), o_lo {tuple(o_lo.shape)} (need "
+                         f"[T, H, d_v] or empty)")
+    if out.dtype != q.dtype or lse.dtype != torch.float32 or o_lo.dtype != torch.float32:
+        raise ValueError(f"out must have q's dtype and lse, o_lo float32; got {out.dtype}, "
+                         f"{lse.dtype}, {o_lo.dtype}")
     if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != T:
         raise ValueError(f"indices must be int32 [T, topk], got {indices.dtype} {tuple(indices.shape)}")
     if (dkv_accum.dtype != torch.float32 or tuple(dkv_accum.shape) != (S, d_qk)
@@ -744,10 +797,11 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or H == 0:
         return dq
-    dpsum, lse_log2 = preprocess(dout, out, lse, o_lo)
     tlen = None if topk_length is None else topk_length.to(torch.int32).contiguous()
-    fn = get_kernel(compile_key(q.dtype, H, d_qk, d_v, tlen is not None))
-    fn(q.contiguous(), kv.contiguous(), dout.contiguous(), lse_log2, dpsum,
+    has_o_lo = o_lo.numel() > 0
+    fn = get_kernel(compile_key(q.dtype, H, d_qk, d_v, tlen is not None, has_o_lo))
+    q, kv, dout, out = (contiguous_aligned(x) for x in (q, kv, dout, out))
+    fn(q, kv, dout, out, contiguous_aligned(o_lo) if has_o_lo else None, lse.contiguous(),
        indices.contiguous(), tlen, dq, dkv_accum, float(sm_scale))
     return dq
 

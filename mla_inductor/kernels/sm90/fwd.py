@@ -776,7 +776,7 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
         if return_o_lo:
             o_lo.zero_()
         return out, lse, o_lo
-    q, kv = _aligned(q), _aligned(kv)
+    q, kv = contiguous_aligned(q), contiguous_aligned(kv)
     indices = indices.to(torch.int32).contiguous()
     if topk_length is not None:
         topk_length = topk_length.to(torch.int32).contiguous()
@@ -787,7 +787,7 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
     return out, lse, o_lo
 
 
-def _aligned(x: torch.Tensor) -> torch.Tensor:
+def contiguous_aligned(x: torch.Tensor) -> torch.Tensor:
     """Contiguous with a 16-byte aligned start (the cp.async gathers read 16-byte vectors)."""
     x = x.contiguous()
     return x if x.data_ptr() % 16 == 0 else x.clone()
