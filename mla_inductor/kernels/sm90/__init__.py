@@ -43,12 +43,13 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
 
 def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576, d_v: int = 512,
                thresholds=(0.0, 8.0), o_lo=(False, True), topk_length=(False, True),
-               backward_heads=(128,)) -> dict:
+               backward_heads=(128,), backward_o_lo=(True,)) -> dict:
     """Compiles the kernels for ``arch`` without a GPU; returns ``{compile_key: fn}``.
 
     Forward: every combination of ``dtypes`` x ``thresholds`` x ``o_lo`` x ``topk_length``.
-    Backward (its head count is static): ``dtypes`` x ``backward_heads`` x ``topk_length``;
-    pass ``backward_heads=()`` to skip it. Everything is cached, so later calls on a GPU do not
+    Backward (its head count is static): ``dtypes`` x ``backward_heads`` x ``topk_length`` x
+    ``backward_o_lo`` (whether the forward's o_lo is passed; a training forward always returns
+    it); pass ``backward_heads=()`` to skip it. Everything is cached, so later calls on a GPU do not
     compile again.
 
     Raises:
@@ -68,7 +69,8 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
                         compiled[key] = fwd.get_kernel(key)
     if backward_heads:
         compiled.update(bwd.precompile_backward(
-            arch, dtypes=dtypes, heads=backward_heads, d_qk=d_qk, d_v=d_v, topk_length=topk_length))
+            arch, dtypes=dtypes, heads=backward_heads, d_qk=d_qk, d_v=d_v, topk_length=topk_length,
+            o_lo=backward_o_lo))
     return compiled
 
 
