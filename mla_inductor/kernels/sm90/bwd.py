@@ -692,7 +692,9 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 def compile_key(dtype: torch.dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
                 has_o_lo: bool = True, arch: str = "sm_90a") -> tuple:
-    """The static compile key: T, S and topk are symbolic; the head count is static."""
+    """The static compile key: T, S and topk are symbolic; the head count is static, and so
+    are whether ``topk_length`` and a non-empty ``o_lo`` are passed (the kernel reads o_lo
+    for dpsum only when it is)."""
     return (str(dtype).removeprefix("torch."), int(heads), int(d_qk), int(d_v),
             bool(has_topk_length), bool(has_o_lo), arch)
 
@@ -758,9 +760,14 @@ def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads
 
 
 def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum):
-    """Runs the main kernel (dpsum and lse in log2 units are computed inside it); returns ``dq [T, H, d_qk]`` (q's dtype) and adds
-    the dkv gradient into ``dkv_accum`` (``[S, d_qk]`` float32, contiguous, 16-byte aligned;
-    rows of empty slots are never touched).
+    """Runs the main kernel (its prologue computes dpsum and lse in log2 units); returns
+    ``dq [T, H, d_qk]`` (q's dtype) and adds the dkv gradient into ``dkv_accum`` (``[S, d_qk]``
+    float32, contiguous, 16-byte aligned; rows of empty slots are never touched).
+
+    Inputs: ``dout``, ``out`` ``[T, H, d_v]`` and ``q [T, H, d_qk]``, ``kv [S, d_qk]``, all of one
+    dtype (bf16 or fp16); ``indices [T, topk]`` int32; ``topk_length [T]`` or None; ``lse
+    [T, H]`` float32, natural log (-inf for a row without a valid slot); ``o_lo [T, H, d_v]``
+    float32 or empty (dpsum from ``out`` alone); ``sm_scale`` float; ``d_v`` 512.
 
     ``dkv_accum`` is in the kernel's **interleaved column order** (see :func:`dkv_interleave`):
     columns are permuted within aligned groups of 16, rows are not moved. A zeroed buffer needs no

@@ -788,6 +788,7 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
 
 
 def contiguous_aligned(x: torch.Tensor) -> torch.Tensor:
-    """Contiguous with a 16-byte aligned start (the cp.async gathers read 16-byte vectors)."""
+    """``x`` (any shape and dtype) if it is contiguous and starts 16-byte aligned, else a
+    contiguous copy that does (the kernels read 16-byte vectors). Raises nothing."""
     x = x.contiguous()
     return x if x.data_ptr() % 16 == 0 else x.clone()
