@@ -9,7 +9,8 @@
 its keys from positions <= its own, its own key in slot 0) x mode (``exact`` = threshold 0.0,
 ``train`` = 0.0 with o_lo, ``lazy`` = 8.0), next to a chunked PyTorch implementation measured
 in the same run (at the smallest T only: it is slow). TFLOPS = 2·T·H·topk·(d_qk + d_v) / time,
-time = median of ``triton.testing.do_bench`` (CUDA events). Prints a markdown table.
+the three modes timed in interleaved rounds (:func:`time_ms_interleaved`: median over rounds of
+``triton.testing.do_bench`` medians, CUDA events). Prints a markdown table.
 ``bwd`` and ``train``: see :mod:`mla_inductor.bench_bwd` and :mod:`mla_inductor.bench_train`.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import statistics
 
 import torch
 
@@ -75,6 +77,27 @@ def time_ms(fn, grad_to_none=None) -> float:
         return sorted(times)[len(times) // 2]
 
 
+def time_ms_interleaved(fns: dict, rounds: int = 7) -> dict:
+    """Median milliseconds of each ``fns[name]()``, timed in interleaved rounds (one short
+    ``triton.testing.do_bench`` of every function per round, then the median over rounds).
+
+    For comparisons within one run: under sustained load the GPU's clock drifts (heat, power),
+    so functions timed back to back are measured at different clocks (on the H200, a kernel
+    timed last in a ten-second run read 6% over its interleaved median); interleaving puts every
+    contender under the same drift. Without triton it falls back to :func:`time_ms`."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return {name: time_ms(fn) for name, fn in fns.items()}
+    for fn in fns.values():
+        fn()  # compile / warm up outside the rounds
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(do_bench(fn, warmup=10, rep=60, return_mode="median"))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def bench_fwd(Ts, Hs, topk, patterns=("random", "causal")):
     """Prints the forward table (module docstring) for token counts ``Ts`` (S = 2T) and head
     counts ``Hs`` at d_qk 576 / d_v 512, bf16. Exits with a message when sm90 cannot run here."""
@@ -95,10 +118,10 @@ def bench_fwd(Ts, Hs, topk, patterns=("random", "causal")):
             sm_scale = D_QK**-0.5
             for pattern in patterns:
                 indices = make_indices(T, S, topk, pattern, gen)
-                times = {}
-                for mode, (thr, o_lo) in MODES.items():
-                    fn = lambda: sm90.forward(q, kv, indices, None, sm_scale, D_V, thr, o_lo)  # noqa: E731
-                    times[mode] = time_ms(fn)
+                times = time_ms_interleaved({
+                    mode: (lambda thr=thr, o_lo=o_lo: sm90.forward(q, kv, indices, None, sm_scale, D_V, thr, o_lo))
+                    for mode, (thr, o_lo) in MODES.items()
+                })
                 for mode, ms in times.items():
                     ratio = f"{times['exact'] / times['lazy']:.3f}" if mode == "exact" else ""
                     print(f"| {T} | {H} | {pattern} | {mode} | {ms:.3f} | "

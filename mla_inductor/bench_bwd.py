@@ -1,17 +1,18 @@
 """Benchmark of the SM90 sparse-MLA backward: ``python -m mla_inductor.bench bwd``.
 
 TFLOPS use ``2 * T * H * topk * (3 * d_qk + 2 * d_v)`` (invalid slots counted), the convention
-of the cuDNN frontend and TileLang. Times are medians (:func:`mla_inductor.bench.time_ms`) of the whole
-backward (preprocess, kernel, cast), next to the PyTorch reference backend on the same inputs
+of the cuDNN frontend and TileLang. Times are medians of the whole backward (preprocess, kernel,
+cast), next to the PyTorch reference backend on the same inputs (:func:`mla_inductor.bench.time_ms`)
 and, when ``nvidia-cudnn-frontend`` is importable, its SM90 DSA backward (attention sink of -inf
-per head, i.e. no sink) with the ratio ours / cuDNN.
+per head, i.e. no sink) with the ratio ours / cuDNN; ours and cuDNN's are timed in interleaved
+rounds (:func:`mla_inductor.bench.time_ms_interleaved`), so that both see the same clock drift.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .bench import make_indices, require_sm90, shape_parser, time_ms
+from .bench import make_indices, require_sm90, shape_parser, time_ms, time_ms_interleaved
 from .kernels import reference
 from .kernels.sm90 import bwd
 
@@ -44,13 +45,17 @@ def run(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True):
     sm_scale = d_qk**-0.5
     out, lse, o_lo = reference.forward(q, kv, idx, None, sm_scale, d_v, 0.0, True)
     flops = 2 * T * H * topk * (3 * d_qk + 2 * d_v)
-    ms = time_ms(lambda: bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v))
-    line = f"T={T:6d} S={S:6d} H={H:4d} topk={topk} {pattern}: " \
-           f"sm90 {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOPS"
+    fns = {"sm90": lambda: bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)}
     cudnn_bwd = _cudnn_backward()
     if cudnn_bwd is not None:
         sink = torch.full((H,), float("-inf"), dtype=torch.float32, device="cuda")
-        cudnn_ms = time_ms(lambda: cudnn_bwd(q, kv, out, dout, lse, sink, idx, softmax_scale=sm_scale))
+        fns["cudnn"] = lambda: cudnn_bwd(q, kv, out, dout, lse, sink, idx, softmax_scale=sm_scale)
+    times = time_ms_interleaved(fns)
+    ms = times["sm90"]
+    line = f"T={T:6d} S={S:6d} H={H:4d} topk={topk} {pattern}: " \
+           f"sm90 {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOPS"
+    if cudnn_bwd is not None:
+        cudnn_ms = times["cudnn"]
         ours, theirs = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v), \
             cudnn_bwd(q, kv, out, dout, lse, sink, idx, softmax_scale=sm_scale)
         agree = max(_rel_l2(ours[0], theirs["dq"]), _rel_l2(ours[1], theirs["dkv"]))
