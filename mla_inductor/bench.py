@@ -84,7 +84,18 @@ def time_ms_interleaved(fns: dict, rounds: int = 7) -> dict:
     For comparisons within one run: under sustained load the GPU's clock drifts (heat, power),
     so functions timed back to back are measured at different clocks (on the H200, a kernel
     timed last in a ten-second run read 6% over its interleaved median); interleaving puts every
-    contender under the same drift. Without triton it falls back to :func:`time_ms`."""
+    contender under the same drift. Without triton it falls back to :func:`time_ms`.
+
+    Args:
+        fns: ``{name: fn}``, each ``fn()`` launching CUDA work on the current stream.
+        rounds: how many interleaved rounds (each a ``do_bench`` of 10 ms warm-up, 60 ms timed).
+
+    Returns:
+        ``{name: milliseconds}`` (float), in ``fns``' order.
+
+    Raises:
+        Whatever a function raises (each is called once before the rounds); a RuntimeError
+        from torch without a CUDA device."""
     try:
         from triton.testing import do_bench
     except ImportError:
@@ -119,7 +130,8 @@ def bench_fwd(Ts, Hs, topk, patterns=("random", "causal")):
             for pattern in patterns:
                 indices = make_indices(T, S, topk, pattern, gen)
                 times = time_ms_interleaved({
-                    mode: (lambda thr=thr, o_lo=o_lo: sm90.forward(q, kv, indices, None, sm_scale, D_V, thr, o_lo))
+                    mode: (lambda thr=thr, o_lo=o_lo:
+                           sm90.forward(q, kv, indices, None, sm_scale, D_V, thr, o_lo))
                     for mode, (thr, o_lo) in MODES.items()
                 })
                 for mode, ms in times.items():

@@ -14,7 +14,6 @@ def test_cli_exits_with_reason_without_sm90(what):
         bench.main([what, "--T", "128", "--H", "64"])
 
 
-
 @pytest.mark.cuda
 def test_interleaved_timer_measures_twice_the_work():
     """``time_ms_interleaved`` times each function on its own: a function doing the same matmul
