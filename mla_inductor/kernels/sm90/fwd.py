@@ -157,8 +157,9 @@ class SparseMlaFwdSm90:
     def _smem_bytes(self):
         e = self.dtype.width // 8
         n = TILE_H * self.d_qk * e + 2 * self.stage_elems * e + self.n_p_tiles * TILE_H * TILE_N * e
-        # sMa, sMb, sL (2 x 64 fp32) and 9 mbarriers, each 16-byte aligned, plus slack
-        return n + 4 * TILE_H * 4 + 9 * 8 + 512
+        # sMa, sMb, sL (2 x 64 fp32), sValid (2 x 64 int32) and 9 mbarriers, each 16-byte
+        # aligned, plus slack
+        return n + 4 * TILE_H * 4 + 2 * TILE_N * 4 + 9 * 8 + 512
 
     @cute.jit
     def __call__(
@@ -268,6 +269,9 @@ class SparseMlaFwdSm90:
         sMa = smem.allocate_tensor(Float32, cute.make_layout((TILE_H,)), 16)
         sMb = smem.allocate_tensor(Float32, cute.make_layout((TILE_H,)), 16)
         sL = smem.allocate_tensor(Float32, cute.make_layout((TILE_H, 2)), 16)
+        # validity (1 / 0) of each key of each stage, written by the producer with the stage's
+        # first quarter (published by that quarter's full barrier)
+        sValid = smem.allocate_tensor(Int32, cute.make_layout((TILE_N, 2)), 16)
         # full[q] / empty[q], q = 2 * stage + side; side 0 = columns [0, d_v/2) (= V_L),
         # side 1 = columns [d_v/2, d_qk) (V_R and the RoPE part)
         mbar = smem.allocate_array(Int64, 9)
@@ -277,7 +281,10 @@ class SparseMlaFwdSm90:
 
         if tidx == 0:
             for q in cutlass.range_constexpr(4):
-                cute.arch.mbarrier_init(mbar_full + q, 128)
+                # the first quarter of each stage (q = 0: A's V_L, q = 3: B's right part) also
+                # counts one plain arrive of the 16 producer threads that write its validity
+                first = (q == 0) or (q == 3)
+                cute.arch.mbarrier_init(mbar_full + q, 128 + (16 if first else 0))
                 cute.arch.mbarrier_init(mbar_empty + q, 128)
             cute.arch.mbarrier_init(mbar_q, 128)
         cute.arch.mbarrier_init_fence()
@@ -330,6 +337,12 @@ class SparseMlaFwdSm90:
                         src = kv_base + Int64(idx) * row_bytes
                         src = cutlass.select_(ok, src, kv_base)
                         self._copy_row(stage_addr, r, vec, src, ok, c_lo, c_hi, keep)
+                        if const_expr(b == side):  # the stage's first quarter
+                            if vec == 0:
+                                sValid[r, b] = Int32(ok)
+                    if const_expr(b == side):
+                        if vec == 0:  # publishes sValid (release), next to the copies' arrivals
+                            cute.arch.mbarrier_arrive(mbar_full + q)
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + q)
             cp_async_wait_all()
 
@@ -379,9 +392,8 @@ class SparseMlaFwdSm90:
                 tOsP = thr_ss.make_fragment_A(thr_ss.partition_A(sP_b))  # B's P
                 for it in cutlass.range(n_pairs, unroll=1):
                     phase = it & 1
-                    self._load_valid(valid, mIdx, t, 2 * n_pairs - 1 - 2 * it, tScS, n_valid,
-                                     seqlen_kv)
                     cute.arch.mbarrier_wait(mbar_full + 0, phase)
+                    self._load_valid(valid, sValid, 0, tScS)
                     cute.arch.fence_view_async_shared()  # cp.async (generic proxy) -> wgmma
                     warpgroup.fence()
                     self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 0, 0, self.half_chunks)
@@ -443,9 +455,8 @@ class SparseMlaFwdSm90:
                 tOsP = thr_ss.make_fragment_A(thr_ss.partition_A(sP_a))  # A's P
                 for it in cutlass.range(n_pairs, unroll=1):
                     phase = it & 1
-                    self._load_valid(valid, mIdx, t, 2 * n_pairs - 2 - 2 * it, tScS, n_valid,
-                                     seqlen_kv)
                     cute.arch.mbarrier_wait(mbar_full + 3, phase)
+                    self._load_valid(valid, sValid, 1, tScS)
                     cute.arch.fence_view_async_shared()
                     warpgroup.fence()
                     self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 1, self.half_chunks, self.n_chunks)
@@ -531,15 +542,13 @@ class SparseMlaFwdSm90:
         return cutlass.select_(bm - m_old > self.threshold, bm, m_old)
 
     @cute.jit
-    def _load_valid(self, valid, mIdx, t, blk, tScS, n_valid, seqlen_kv):
-        """Validity of this thread's 16 key columns of block ``blk`` (read from the indices)."""
+    def _load_valid(self, valid, sValid, stage: cutlass.Constexpr, tScS):
+        """Validity of this thread's 16 key columns of the block in ``stage`` (from the
+        producer's ``sValid``; reading the indices from global memory in every consumer thread
+        instead was 3% slower: those loads share the load/store queue with the gathers)."""
         for v in cutlass.range_constexpr(16):
             i = (v % 2) + 4 * (v // 2)
-            j = blk * TILE_N + tScS[i][1]
-            idx = Int32(-1)
-            if j < n_valid:
-                idx = mIdx[t, j]
-            valid[v] = (idx >= 0) & (idx < seqlen_kv)
+            valid[v] = sValid[tScS[i][1], stage] != 0
 
     @cute.jit
     def _qk(self, tiled_mma_qk, acc_S, tSrQ, tSrK, stage: cutlass.Constexpr,
