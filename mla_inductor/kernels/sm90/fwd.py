@@ -35,6 +35,9 @@ Design (decisions, in the order they were taken)
     they are needed and freed as early as their last reader allows: A-left (freed by A after
     its own P V), B-right (freed by B after its own P V), A-right (freed by B after P_A V_R),
     B-left (freed by A after P_B V_L). Both blocks' indices are loaded before the first wait.
+    With a stage's first quarter the producer also writes the stage's key validity (``sValid``,
+    published by 16 plain arrivals on that quarter's full barrier), which the consumers read
+    to mask S.
   - WG1 = consumer A, WG2 = consumer B, balanced (FlashMLA's split): each computes
     ``S = Q K^T`` for its OWN block (64x64, SS wgmma, issued quarter by quarter as they land),
     masks it, runs the softmax on it, and owns HALF of O's columns (A ``[:d_v/2]``, B
