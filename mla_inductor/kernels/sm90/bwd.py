@@ -453,13 +453,8 @@ class SparseMlaBackwardSm90:
         acc_dq = cute.make_rmem_tensor(mma_dq.partition_shape_C((_TILE_M, w)), Float32)
         acc_dq.fill(0.0)
 
-        mma_kv = self.make_mma(MN_MAJOR, MN_MAJOR, _CHUNK)
-        thr_kv = mma_kv.get_slice(t)
-        acc_kv = cute.make_rmem_tensor(mma_kv.partition_shape_C((_TILE_N, _CHUNK)), Float32)
+        mma_kv, thr_kv, acc_kv, rRow = self.dkv_chunk_parts(t)
         ops = (thr_kv, sQ, sdO, sP, sdS)
-        lane = t % 32
-        k0 = (t // 32) * 16 + lane // 4
-        rRow = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
         dkv_base = mdKV.iterator.toint()
 
         early = (c0 + w) // _CHUNK  # K/V slabs [0, early) are read by warpgroup 0 only
@@ -524,15 +519,13 @@ class SparseMlaBackwardSm90:
             warpgroup.fence()
             self.gemm(mma_dq, acc_dq, tA_ds, tB_kt)
             warpgroup.commit_group()
-            for h in cutlass.range_constexpr(2):
-                rRow[h] = sRow[stage * _TILE_N + k0 + 8 * h]
-                rRow[2 + h] = sRow[stage * _TILE_N + ((k0 + 8 * h) ^ 1)]
+            self.load_rows(rRow, sRow, stage, t)
             self.issue_chunk(mma_kv, acc_kv, self.wg1_chunks, ops)  # the last dKV chunk
             warpgroup.wait_group(1)  # dq done: warpgroup 0 no longer reads K/V
             if blk + 1 < n_blocks:  # slabs [0, early) of the next block (warpgroup 1 never reads them)
                 self.gather((blk + 1) % 2, mKV, rIdx, sKV, sRow, t, 0, early)
             warpgroup.wait_group(0)
-            self.scatter(acc_kv, self.wg1_chunks, rRow, dkv_base, lane)
+            self.scatter(acc_kv, self.wg1_chunks, rRow, dkv_base, t % 32)
 
         self.store_dq(mdQ, token, head0, thr_dq, acc_dq, c0, w)
 
@@ -608,18 +601,9 @@ class SparseMlaBackwardSm90:
         ]
         for j in cutlass.range_constexpr(len(acc_dq)):
             acc_dq[j].fill(0.0)
-        mma_kv = self.make_mma(MN_MAJOR, MN_MAJOR, _CHUNK)
-        thr_kv = mma_kv.get_slice(t)
-        acc_kv = cute.make_rmem_tensor(mma_kv.partition_shape_C((_TILE_N, _CHUNK)), Float32)
-
-        # Scatter geometry (wgmma accumulator of a 64 x 64 chunk: thread (warp w, lane l) holds
-        # keys k0 = 16 w + l // 4 and k0 + 8, columns 8 j + 2 (l % 4) + {0, 1}, j = 0..7; register
-        # 4 j + 2 h + e is key k0 + 8 h, column 8 j + 2 (l % 4) + e)
+        mma_kv, thr_kv, acc_kv, rRow = self.dkv_chunk_parts(t)
         lane = t % 32
-        k0 = (t // 32) * 16 + lane // 4
         dkv_base = mdKV.iterator.toint()
-        # kv rows (-1: empty slot) of keys k0, k0 + 8 and of their partners k0 ^ 1, (k0 + 8) ^ 1
-        rRow = cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
 
         last_p_chunk = min(self.n_chunks_v, self.wg1_chunks) - 1
         last_chunk = self.wg1_chunks - 1
@@ -628,9 +612,7 @@ class SparseMlaBackwardSm90:
             stage = blk % 2
             more = blk + 1 < n_blocks
             cute.arch.barrier(barrier_id=_BAR_P_READY, number_of_threads=_NUM_THREADS)
-            for h in cutlass.range_constexpr(2):
-                rRow[h] = sRow[stage * _TILE_N + k0 + 8 * h]
-                rRow[2 + h] = sRow[stage * _TILE_N + ((k0 + 8 * h) ^ 1)]
+            self.load_rows(rRow, sRow, stage, t)
 
             oQ = self.opaque(sQ, _TILE_M, self.d_qk)
             odO = self.opaque(sdO, _TILE_M, self.d_v)
@@ -676,6 +658,28 @@ class SparseMlaBackwardSm90:
         for j in cutlass.range_constexpr(len(dq_parts)):
             c0, w = dq_parts[j]
             self.store_dq(mdQ, token, head0, thr_dq[j], acc_dq[j], c0, w)
+
+    def dkv_chunk_parts(self, t):
+        """The dKV chunk wgmma (64 keys x 64 columns: A = P^T or dS^T, B = dO or Q columns, both
+        MN-major), warpgroup thread ``t``'s slice of it, its fp32 accumulator, and the 4-entry
+        register tensor of kv rows that :meth:`load_rows` fills for :meth:`scatter`."""
+        mma_kv = self.make_mma(cute.nvgpu.OperandMajorMode.MN, cute.nvgpu.OperandMajorMode.MN,
+                               _CHUNK)
+        thr_kv = mma_kv.get_slice(t)
+        acc_kv = cute.make_rmem_tensor(mma_kv.partition_shape_C((_TILE_N, _CHUNK)), Float32)
+        return mma_kv, thr_kv, acc_kv, cute.make_rmem_tensor(cute.make_layout((4,)), Int32)
+
+    @cute.jit
+    def load_rows(self, rRow: cute.Tensor, sRow: cute.Tensor, stage: Int32, t: Int32):
+        """kv rows (-1: empty slot) of the keys whose dKV accumulator rows warpgroup thread ``t``
+        holds in block stage ``stage``: a 64 x 64 chunk accumulator gives thread (warp w, lane
+        l) keys k0 = 16 w + l // 4 and k0 + 8 (register 4 j + 2 h + e is key k0 + 8 h, column
+        8 j + 2 (l % 4) + e); ``rRow`` = rows of k0, k0 + 8 and of their scatter partners
+        k0 ^ 1, (k0 + 8) ^ 1."""
+        k0 = (t // 32) * 16 + (t % 32) // 4
+        for h in cutlass.range_constexpr(2):
+            rRow[h] = sRow[stage * _TILE_N + k0 + 8 * h]
+            rRow[2 + h] = sRow[stage * _TILE_N + ((k0 + 8 * h) ^ 1)]
 
     @cute.jit
     def issue_chunk(self, mma_kv, acc, c: cutlass.Constexpr[int], ops):
