@@ -78,9 +78,10 @@ def sparse_mla(
         with no valid slot gives ``out = 0``, ``lse = -inf`` and zero gradients.
 
     Raises:
-        RuntimeError: q, kv or indices not a tensor, wrong ranks, mismatched d_qk, ``d_v > d_qk``, a T or head mismatch between
-            q and indices, non-integer indices, mixed devices or an unsupported dtype (the same
-            messages at trace time under ``torch.compile``); a forced backend that cannot run here.
+        RuntimeError: q, kv or indices not a tensor, wrong ranks, mismatched d_qk,
+            ``d_v > d_qk``, a T or head mismatch between q and indices, non-integer indices,
+            mixed devices or an unsupported dtype (the same messages at trace time under
+            ``torch.compile``); a forced backend that cannot run here.
     """
     for name, t in (("q", q), ("kv", kv), ("indices", indices)):
         _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
