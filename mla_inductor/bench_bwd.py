@@ -5,14 +5,16 @@ of the cuDNN frontend and TileLang. Times are medians of the whole backward (pre
 cast), next to the PyTorch reference backend on the same inputs (:func:`mla_inductor.bench.time_ms`)
 and, when ``nvidia-cudnn-frontend`` is importable, its SM90 DSA backward (attention sink of -inf
 per head, i.e. no sink) with the ratio ours / cuDNN; ours and cuDNN's are timed in interleaved
-rounds (:func:`mla_inductor.bench.time_ms_interleaved`), so that both see the same clock drift.
+rounds (:func:`mla_inductor.bench.time_ms_interleaved`), so that both see the same clock drift;
+with ``--protocol cooled`` both are timed as FlashMLA's benchmark times kernels
+(:func:`mla_inductor.bench.time_ms_cooled`, means).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .bench import make_indices, require_sm90, shape_parser, time_ms, time_ms_interleaved
+from .bench import PROTOCOLS, make_indices, require_sm90, shape_parser, time_ms
 from .kernels import reference
 from .kernels.sm90 import bwd
 
@@ -31,10 +33,11 @@ def _rel_l2(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True):
+def run(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, protocol="sustained"):
     """Prints one line: the sm90 backward's time (ms) and TFLOPS at ``T`` tokens, S = 2T, ``H``
     heads, bf16, ``pattern`` indices (see :func:`mla_inductor.bench.make_indices`), next to
-    cuDNN's (when importable) and the reference backend's. Needs a CUDA device where the sm90
+    cuDNN's (when importable) under the same ``protocol`` (a key of
+    :data:`mla_inductor.bench.PROTOCOLS`) and the reference backend's (sustained). Needs a CUDA device where the sm90
     kernels run (:func:`mla_inductor.bench.require_sm90`)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     S = 2 * T
@@ -50,7 +53,7 @@ def run(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True):
     if cudnn_bwd is not None:
         sink = torch.full((H,), float("-inf"), dtype=torch.float32, device="cuda")
         fns["cudnn"] = lambda: cudnn_bwd(q, kv, out, dout, lse, sink, idx, softmax_scale=sm_scale)
-    times = time_ms_interleaved(fns)
+    times = PROTOCOLS[protocol](fns)
     ms = times["sm90"]
     line = f"T={T:6d} S={S:6d} H={H:4d} topk={topk} {pattern}: " \
            f"sm90 {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOPS"
@@ -70,7 +73,7 @@ def run(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True):
 def main(argv=None):
     """``python -m mla_inductor.bench bwd [--T ...] [--H ...] [--topk N] [--no-reference]``.
     Exits with a message when the sm90 kernels cannot run here."""
-    ap = shape_parser("python -m mla_inductor.bench bwd", __doc__.splitlines()[0])
+    ap = shape_parser("python -m mla_inductor.bench bwd", __doc__.splitlines()[0], protocol=True)
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the (slow) PyTorch reference column")
     args = ap.parse_args(argv)
@@ -78,4 +81,5 @@ def main(argv=None):
     for T in args.T:
         for H in args.H:
             for pattern in ("random", "causal"):
-                run(T, H, args.topk, pattern, with_reference=not args.no_reference and T <= 4096)
+                run(T, H, args.topk, pattern, with_reference=not args.no_reference and T <= 4096,
+                    protocol=args.protocol)

@@ -15,14 +15,15 @@ def test_cli_exits_with_reason_without_sm90(what):
 
 
 @pytest.mark.cuda
-def test_interleaved_timer_measures_twice_the_work():
-    """``time_ms_interleaved`` times each function on its own: a function doing the same matmul
+@pytest.mark.parametrize("protocol", list(bench.PROTOCOLS))
+def test_timer_measures_twice_the_work(protocol):
+    """Each protocol's timer times each function on its own: a function doing the same matmul
     twice takes about twice as long as one doing it once (checked against a wide band, since the
     two share the GPU's clock drift but not its noise)."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     once = lambda: a @ a  # noqa: E731
     twice = lambda: (a @ a, a @ a)  # noqa: E731
-    times = bench.time_ms_interleaved({"once": once, "twice": twice}, rounds=5)
+    times = bench.PROTOCOLS[protocol]({"once": once, "twice": twice})
     assert set(times) == {"once", "twice"}
     assert times["once"] > 0
     assert 1.6 < times["twice"] / times["once"] < 2.4
