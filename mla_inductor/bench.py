@@ -12,7 +12,7 @@ in the same run (at the smallest T only: it is slow). TFLOPS = 2·T·H·topk·(d
 the three modes timed in interleaved rounds (:func:`time_ms_interleaved`: median over rounds of
 ``triton.testing.do_bench`` medians, CUDA events). Prints a markdown table.
 ``--protocol cooled`` times every kernel as FlashMLA's benchmark does instead
-(:func:`time_ms_cooled`): the protocol behind its published figures, at the clock of a GPU
+(:func:`time_ms_cooled`): the protocol of FlashMLA's own benchmark script, at the clock of a GPU
 that is not under sustained load.
 ``bwd`` and ``train``: see :mod:`mla_inductor.bench_bwd` and :mod:`mla_inductor.bench_train`.
 """
