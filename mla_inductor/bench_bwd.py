@@ -37,8 +37,8 @@ def run(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, protocol="s
     """Prints one line: the sm90 backward's time (ms) and TFLOPS at ``T`` tokens, S = 2T, ``H``
     heads, bf16, ``pattern`` indices (see :func:`mla_inductor.bench.make_indices`), next to
     cuDNN's (when importable) under the same ``protocol`` (a key of
-    :data:`mla_inductor.bench.PROTOCOLS`) and the reference backend's (sustained). Needs a CUDA device where the sm90
-    kernels run (:func:`mla_inductor.bench.require_sm90`)."""
+    :data:`mla_inductor.bench.PROTOCOLS`) and the reference backend's (sustained). Needs a CUDA
+    device where the sm90 kernels run (:func:`mla_inductor.bench.require_sm90`)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     S = 2 * T
     q = torch.randn(T, H, d_qk, device="cuda", generator=g).bfloat16()
@@ -71,7 +71,8 @@ def run(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, protocol="s
 
 
 def main(argv=None):
-    """``python -m mla_inductor.bench bwd [--T ...] [--H ...] [--topk N] [--no-reference]``.
+    """``python -m mla_inductor.bench bwd [--T ...] [--H ...] [--topk N] [--protocol P]
+    [--no-reference]``.
     Exits with a message when the sm90 kernels cannot run here."""
     ap = shape_parser("python -m mla_inductor.bench bwd", __doc__.splitlines()[0], protocol=True)
     ap.add_argument("--no-reference", action="store_true",

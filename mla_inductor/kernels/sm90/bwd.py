@@ -21,12 +21,13 @@ Stages (all on torch's current stream, capturable in CUDA graphs):
 1. the main kernel below, whose prologue is the preprocess: ``dpsum`` in fp32 from ``dout``,
    ``out`` and ``o_lo`` (4 threads per head row, loads batched so that many are in flight while
    the Q / dO / first-block copies land) and ``lse_log2 = lse * log2(e)`` (+inf for rows with
-   ``lse = -inf``, so that every P of such a row is exactly 0); it accumulates dkv into a zeroed fp32 buffer ``dkv_accum [S, d_qk]``
-   whose columns are **interleaved** within aligned groups of 16 (column ``8h + 2q + l`` of a
-   group is stored at ``4q + 2h + l``, h, l in {0, 1}, q in 0..3; rows are not moved), so that
-   the four values a wgmma accumulator thread holds for one row (columns c, c+1, c+8, c+9) are
-   one 16-byte ``red.global.add.v4.f32`` (callers may pass their own buffer, see
-   :func:`backward_into`, :func:`dkv_interleave`, :func:`dkv_deinterleave`);
+   ``lse = -inf``, so that every P of such a row is exactly 0); it accumulates dkv into a
+   zeroed fp32 buffer ``dkv_accum [S, d_qk]`` whose columns are **interleaved** within aligned
+   groups of 16 (column ``8h + 2q + l`` of a group is stored at ``4q + 2h + l``, h, l in {0, 1},
+   q in 0..3; rows are not moved), so that the four values a wgmma accumulator thread holds for
+   one row (columns c, c+1, c+8, c+9) are one 16-byte ``red.global.add.v4.f32`` (callers may
+   pass their own buffer, see :func:`backward_into`, :func:`dkv_interleave`,
+   :func:`dkv_deinterleave`);
 2. postprocess (torch op, :func:`dkv_from_accum`): un-interleave and cast to kv's dtype in one
    copy.
 
