@@ -11,7 +11,7 @@
 Canonical layouts (the public :func:`mla_inductor.sparse_mla` converts to them): ``q [T, H, d_qk]``,
 ``kv [S, d_qk]``, ``indices [T, topk]`` int32, ``topk_length [T]`` int32 or None; outputs are
 contiguous: ``out [T, H, d_v]`` (q's dtype), ``lse [T, H]`` float32 natural log,
-``o_lo [T, H, d_v]`` float32 or empty, ``dq`` like q, ``dkv [S, d_qk]`` in kv's dtype.
+``o_lo [T, H, d_v]`` in out's dtype or empty, ``dq`` like q, ``dkv [S, d_qk]`` in kv's dtype.
 ``lse`` and ``o_lo`` are not differentiable.
 
 The bodies dispatch through :mod:`mla_inductor.backends`; this module holds no kernel code.
@@ -36,7 +36,7 @@ def _dims(q: Tensor, kv: Tensor, d_v: int) -> tuple[int, int, int, int, int]:
 
 def _empty_o_lo(q: Tensor, return_o_lo: bool, d_v: int) -> Tensor:
     shape = (q.shape[0], q.shape[1], d_v) if return_o_lo else (0,)
-    return q.new_empty(shape, dtype=torch.float32)
+    return q.new_empty(shape)
 
 
 @torch.library.custom_op("mla_inductor::sparse_mla_fwd", mutates_args=(), tags=_LAYOUT)
@@ -57,8 +57,8 @@ def sparse_mla_fwd(
     ``sm_scale`` (natural-log domain), ``d_v <= d_qk``, ``rescale_threshold`` in log2 units (0.0
     exact running max, > 0 lazy rescale). Returns ``out [T, H, d_v]`` in q's dtype,
     ``lse [T, H]`` float32 natural log (-inf on rows without a valid slot) and ``o_lo``:
-    ``float32(O) - out`` ``[T, H, d_v]`` float32 when ``return_o_lo``, else an empty float32
-    tensor.
+    ``float32(O) - out`` rounded to q's dtype, ``[T, H, d_v]``, when ``return_o_lo``, else an
+    empty tensor of q's dtype.
 
     Raises:
         RuntimeError: the input checks of :mod:`mla_inductor.validation` (the same messages from

@@ -95,7 +95,7 @@ def check_backward_inputs(
     d_v: int,
 ) -> None:
     """Checks the backward op's inputs: the forward's inputs plus ``dout``/``out`` ``[T, H, d_v]``,
-    ``lse [T, H]`` float32 and ``o_lo`` (``[T, H, d_v]`` float32, or empty).
+    ``lse [T, H]`` float32 and ``o_lo`` (``[T, H, d_v]`` in q's dtype, or empty).
 
     Raises:
         RuntimeError: as :func:`check_forward_inputs`, or when dout/out/lse/o_lo do not match.
@@ -114,7 +114,7 @@ def check_backward_inputs(
         f"lse must be [T, H] = {expected[:2]}, got shape {tuple(lse.shape)}",
     )
     _check(lse.dtype == torch.float32, f"lse must be float32, got {lse.dtype}")
-    _check(o_lo.dtype == torch.float32, f"o_lo must be float32, got {o_lo.dtype}")
+    _check(o_lo.dtype == q.dtype, f"o_lo dtype {o_lo.dtype} differs from q dtype {q.dtype}")
     _check(
         o_lo.numel() == 0 or (o_lo.dim() == 3 and o_lo.shape == expected),
         f"o_lo must be empty or [T, H, d_v] = {expected}, got shape {tuple(o_lo.shape)}",

@@ -21,9 +21,10 @@ def _good(T=6, H=4, d_qk=32, S=10, topk=5, dtype=torch.bfloat16):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("return_o_lo", [False, True])
-def test_fake_outputs_match_real_metadata(return_o_lo):
-    q, kv, idx = _good()
+def test_fake_outputs_match_real_metadata(return_o_lo, dtype):
+    q, kv, idx = _good(dtype=dtype)
     real = fwd(q, kv, idx, None, 0.2, 16, 0.0, return_o_lo)
     dreal = bwd(torch.randn_like(real[0]), q, kv, idx, None, *real, 0.2, 16)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
@@ -33,6 +34,7 @@ def test_fake_outputs_match_real_metadata(return_o_lo):
     for r, f in zip(real + dreal, fake + dfake):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
     assert fake[2].shape == ((6, 4, 16) if return_o_lo else (0,))
+    assert fake[2].dtype == real[2].dtype == dtype  # o_lo in the output's dtype
 
 
 def _bad_inputs():
@@ -92,4 +94,5 @@ def test_fake_kernel_checks_the_op_directly():
             bwd(out, fq, fkv, mode.from_tensor(idx), None, out, lse, torch.empty(0), 0.1, 16)
         with pytest.raises(RuntimeError, match="o_lo must be empty or"):
             out = torch.empty(6, 4, 16, dtype=torch.bfloat16)
-            bwd(out, fq, fkv, mode.from_tensor(idx), None, out, torch.empty(6, 4), torch.empty(6, 4, 3), 0.1, 16)
+            bwd(out, fq, fkv, mode.from_tensor(idx), None, out, torch.empty(6, 4),
+                torch.empty(6, 4, 3, dtype=torch.bfloat16), 0.1, 16)

@@ -253,7 +253,7 @@ def test_empty_problems_return_zeros_without_a_kernel():
     out, lse, o_lo = sm100.forward(q, no_kv, idx, None, 0.1, D_V, 0.0, True)
     assert torch.equal(out, torch.zeros(3, 4, D_V, dtype=torch.bfloat16))
     assert torch.equal(lse, torch.full((3, 4), -math.inf))
-    assert torch.equal(o_lo, torch.zeros(3, 4, D_V))
+    assert torch.equal(o_lo, torch.zeros(3, 4, D_V, dtype=torch.bfloat16))
     dq, dkv = sm100.backward(out, q, no_kv, idx, None, out, lse, o_lo, 0.1, D_V)
     assert torch.equal(dq, torch.zeros_like(q)) and dkv.shape == (0, D_QK)
     out, lse, o_lo = sm100.forward(q[:0], no_kv, idx[:0], None, 0.1, D_V, 8.0, False)
@@ -315,7 +315,7 @@ def test_forward_values_on_sm100(T, H, threshold, return_o_lo):
     assert (lse[finite].double() - ref_lse[finite]).abs().max().item() < 1e-2
     assert torch.all(out[0] == 0) and torch.all(lse[0] == -math.inf)
     if return_o_lo:
-        assert o_lo.shape == out.shape and o_lo.dtype == torch.float32
+        assert o_lo.shape == out.shape and o_lo.dtype == out.dtype
         assert torch.all(o_lo.abs() <= out.float().abs() * 2**-8)  # a rounding residual of out
         assert rel_l2(out.double() + o_lo.double(), ref_out) < 0.75 * rel_l2(out, ref_out)
     else:

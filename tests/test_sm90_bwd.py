@@ -49,13 +49,13 @@ def _case(T, H, d_qk, d_v, S, topk, seed=0, invalid_frac=0.1, with_topk_length=F
 
 
 def _reference(q, kv, dout, indices, topk_length, sm_scale, d_v):
-    """fp64 gradients, and the forward outputs (bf16 out, fp32 lse, fp32 o_lo) they come from."""
+    """fp64 gradients, and the forward outputs (bf16 out, fp32 lse, bf16 o_lo) they come from."""
     q64 = q.double().requires_grad_()
     kv64 = kv.double().requires_grad_()
     out64, lse64 = reference_sparse_mla_fp64(q64, kv64, indices, topk_length, sm_scale, d_v)
     (out64 * dout.double()).sum().backward()
     out = out64.detach().to(q.dtype)
-    o_lo = (out64.detach() - out.double()).float()
+    o_lo = (out64.detach() - out.double()).to(q.dtype)
     return q64.grad, kv64.grad, out, lse64.detach().float(), o_lo
 
 

@@ -15,8 +15,10 @@ backends:
     positions >= topk_length[t] are empty). ``sm_scale`` float, ``d_v <= d_qk`` int,
     ``rescale_threshold`` float in log2 units (0.0 = exact running max), ``return_o_lo`` bool.
     Returns contiguous ``out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` float32 natural log
-    (-inf for a row with no valid slot, whose out is 0) and ``o_lo = float32(O) - out``
-    ``[T, H, d_v]`` float32 when ``return_o_lo`` else ``q.new_empty(0, dtype=float32)``.
+    (-inf for a row with no valid slot, whose out is 0) and ``o_lo = float32(O) - out`` rounded
+    to q's dtype, ``[T, H, d_v]``, when ``return_o_lo`` else ``q.new_empty(0)``. (The residual
+    is about 2**-9 of ``out`` in bf16 and its own rounding about 2**-9 of the residual, so
+    ``out + o_lo`` carries O to about 2**-17.)
 
 ``backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v) -> (dq, dkv)``
     ``dout [T, H, d_v]``, ``out``/``lse``/``o_lo`` as returned by ``forward`` (``o_lo`` may be

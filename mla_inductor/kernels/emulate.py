@@ -20,7 +20,7 @@ rounding behaviour can be measured and tested on a CPU (see :mod:`mla_inductor.n
    ``p`` is rounded to q's dtype (the P·V MMA operand) and ``O = O * acc_scale + p · V`` is
    accumulated in fp32.
 5. ``out = O * (1 / row_sum)`` rounded to q's dtype; ``lse = (m + log2(row_sum)) * ln(2)``
-   (natural log); ``o_lo = float32(O / row_sum) - out``.
+   (natural log); ``o_lo = float32(O / row_sum) - out`` rounded to q's dtype.
 
 Initial running max: ``-inf`` (FlashMLA starts at ``-1e30``, FA4 sets the first block's max
 directly). Where the max is still ``-inf`` (no valid slot seen yet) the exponent is taken against
@@ -98,7 +98,7 @@ def forward(
     S = kv.shape[0]
     out = q.new_zeros((T, H, d_v))
     lse = q.new_full((T, H), -math.inf, dtype=torch.float32)
-    o_lo = q.new_zeros((T, H, d_v) if return_o_lo else (0,), dtype=torch.float32)
+    o_lo = q.new_zeros((T, H, d_v) if return_o_lo else (0,))
     if S == 0 or T == 0:
         return out, lse, o_lo
     safe, valid = _valid_padded(indices, topk_length, S, block_n)
@@ -135,7 +135,7 @@ def forward(
         out[t0:t1] = o.to(q.dtype)
         lse[t0:t1] = torch.where(has_rows, (m + torch.log2(row_sum)) * _LN2, -math.inf)
         if return_o_lo:
-            o_lo[t0:t1] = o - out[t0:t1].float()
+            o_lo[t0:t1] = (o - out[t0:t1].float()).to(q.dtype)
     return out, lse, o_lo
 
 

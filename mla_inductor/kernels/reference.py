@@ -68,7 +68,7 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
     S = kv.shape[0]
     out = q.new_empty((T, H, d_v))
     lse = q.new_empty((T, H), dtype=torch.float32)
-    o_lo = q.new_empty((T, H, d_v) if return_o_lo else (0,), dtype=torch.float32)
+    o_lo = q.new_empty((T, H, d_v) if return_o_lo else (0,))
     if S == 0:
         out.zero_()
         lse.fill_(-math.inf)
@@ -84,7 +84,7 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
         out[t0:t1] = o.to(q.dtype)
         lse[t0:t1] = lse_c
         if return_o_lo:
-            o_lo[t0:t1] = o - out[t0:t1].float()
+            o_lo[t0:t1] = (o - out[t0:t1].float()).to(q.dtype)
     return out, lse, o_lo
 
 
@@ -102,7 +102,7 @@ def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
     dkv_acc = torch.zeros((S, d_qk), dtype=torch.float32, device=kv.device)
     if S == 0 or T == 0:
         return dq, dkv_acc.to(kv.dtype)
-    o_full = out.float() + o_lo if o_lo.numel() else out.float()
+    o_full = out.float() + o_lo.float() if o_lo.numel() else out.float()
     dpsum = (dout.float() * o_full).sum(-1)  # [T, H]
     lse_safe = torch.where(torch.isinf(lse), 0.0, lse)
     for t0, t1 in _chunks(T, indices.shape[1], d_qk, H):

@@ -25,7 +25,7 @@ carry). The kernel class is the one FA4's interface routes to (its ``_mla_1cta_r
 1-CTA ``FlashAttentionMLAForward1CtaKb64Sm100``. ``rescale_threshold`` and ``return_o_lo`` go
 into its constructor / arguments and into the compile key; with (8.0, no o_lo) the kernel is
 FA4's own inference kernel, with (0.0, o_lo) FA4's training kernel in its recompute-P mode.
-FA4's o_lo is in the output dtype (bf16(fp32(O) - bf16(O))); it is returned as float32.
+FA4's o_lo is in the output dtype (bf16(fp32(O) - bf16(O))), as the op's o_lo is.
 
 Backward: FA4's ``_flash_attn_bwd_sparse_mla`` in recompute-P mode (P is rebuilt from lse, so the
 forward saves no P / row_max): preprocess ``dpsum = rowsum(dout * (out + o_lo))``, the main
@@ -286,26 +286,21 @@ def forward(
     if T == 0 or S == 0:
         out.zero_()
         lse.fill_(float("-inf"))
-        o_lo = q.new_zeros(T, H, d_v, dtype=torch.float32) if return_o_lo else None
-        return out, lse, _o_lo_or_empty(q, o_lo)
-    o_lo_lowp = torch.empty_like(out) if return_o_lo else None
+        o_lo = q.new_zeros(T, H, d_v) if return_o_lo else q.new_empty(0)
+        return out, lse, o_lo
+    o_lo = torch.empty_like(out) if return_o_lo else q.new_empty(0)
     qv, q_pe = _split_q(q, has_rope)
     v, k_pe = _split_kv(kv, has_rope)
     gather = _gather_indices(indices, topk_length, S)
     out4, lse3 = out.unsqueeze(0), lse.unsqueeze(0)
-    o_lo4 = o_lo_lowp.unsqueeze(0) if return_o_lo else None
+    o_lo4 = o_lo.unsqueeze(0) if return_o_lo else None
     kernel = _forward_kernel(
         qv, q_pe, v, k_pe, out4, lse3, o_lo4, gather, sm_scale, rescale_threshold
     )
     if not _fa4().is_fake_mode():
         kernel(q_pe, qv, k_pe, v, out4, lse3, sm_scale, None, None, None, None, None, None,
                gather, None, None, None, None, None, o_lo4)  # fmt: skip
-    o_lo = o_lo_lowp.float() if return_o_lo else None
-    return out, lse, _o_lo_or_empty(q, o_lo)
-
-
-def _o_lo_or_empty(q: Tensor, o_lo: Optional[Tensor]) -> Tensor:
-    return o_lo if o_lo is not None else q.new_empty(0, dtype=torch.float32)
+    return out, lse, o_lo
 
 
 def backward(
@@ -322,7 +317,7 @@ def backward(
 ) -> tuple[Tensor, Tensor]:
     """Sparse-MLA backward on FA4's SM100 kernels (shapes, semantics: :mod:`mla_inductor.kernels`).
 
-    ``dpsum = rowsum(dout * (out + o_lo))`` (o_lo rounded to out's dtype, as FA4 stores it) or
+    ``dpsum = rowsum(dout * (out + o_lo))`` (o_lo in out's dtype, as FA4 stores it) or
     ``rowsum(dout * out)`` when o_lo is empty. dk/dv accumulate in fp32 inside FA4.
 
     Raises:
@@ -342,7 +337,7 @@ def backward(
     qv, q_pe = _split_q(q, has_rope)
     v, k_pe = _split_kv(kv, has_rope)
     gather = _gather_indices(indices, topk_length, S)
-    o_lo4 = o_lo.to(out.dtype).unsqueeze(0) if o_lo.numel() else None
+    o_lo4 = o_lo.unsqueeze(0) if o_lo.numel() else None
     with _fake_cuda_indexing() if _fa4().is_fake_mode() else contextlib.nullcontext():
         dq_pe, dk_pe, dv, dqv, _ = _fa4()._flash_attn_bwd_sparse_mla(
             q_pe, k_pe, v, qv, out.unsqueeze(0), dout.unsqueeze(0), lse.unsqueeze(0),
@@ -487,7 +482,7 @@ def precompile(
             if compile_backward:
                 out = torch.empty(tokens, h, d_v, dtype=dtype, device="cuda")
                 lse = torch.empty(tokens, h, dtype=torch.float32, device="cuda")
-                o_lo = torch.empty(tokens, h, d_v, dtype=torch.float32, device="cuda")
+                o_lo = torch.empty(tokens, h, d_v, dtype=dtype, device="cuda")
                 backward(out, q, kv, indices, None, out, lse, o_lo, scale, d_v)
     backward_caches = {
         "preprocess": fa4._bwd_preprocess.compile_cache,

@@ -178,7 +178,7 @@ class SparseMlaBackwardSm90:
         mKV: cute.Tensor,  # [S, d_qk]
         mdO: cute.Tensor,  # [T, H, d_v]
         mOut: cute.Tensor,  # [T, H, d_v], the forward's out
-        mOlo: Optional[cute.Tensor],  # [T, H, d_v] fp32, the forward's o_lo
+        mOlo: Optional[cute.Tensor],  # [T, H, d_v], the forward's o_lo (out's dtype)
         mLSE: cute.Tensor,  # [T, H] fp32, natural log (-inf for rows without a valid slot)
         mIdx: cute.Tensor,  # [T, topk] int32
         mTopkLen: Optional[cute.Tensor],  # [T] int32
@@ -249,12 +249,12 @@ class SparseMlaBackwardSm90:
                 cute.autovec_copy(cute.local_tile(mdO[token, head, None], (8,), (piece,)), r_do[k])
                 cute.autovec_copy(cute.local_tile(mOut[token, head, None], (8,), (piece,)), r_out[k])
                 if const_expr(self.has_o_lo):
-                    r_lo.append(cute.make_rmem_tensor((8,), Float32))
+                    r_lo.append(cute.make_rmem_tensor((8,), self.dtype))
                     cute.autovec_copy(cute.local_tile(mOlo[token, head, None], (8,), (piece,)), r_lo[k])
             for k in cutlass.range_constexpr(batch):
                 o = r_out[k].load().to(Float32)
                 if const_expr(self.has_o_lo):
-                    o = o + r_lo[k].load()
+                    o = o + r_lo[k].load().to(Float32)
                 acc = acc + (r_do[k].load().to(Float32) * o).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
         acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=2)
@@ -765,7 +765,7 @@ def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_
         fake(cdtype, (S, d_qk), 16),  # kv
         fake(cdtype, (T, heads, d_v), 16),  # dout
         fake(cdtype, (T, heads, d_v), 16),  # out
-        fake(cutlass.Float32, (T, heads, d_v), 16) if has_o_lo else None,  # o_lo
+        fake(cdtype, (T, heads, d_v), 16) if has_o_lo else None,  # o_lo
         fake(cutlass.Float32, (T, heads), 4),  # lse
         fake(cutlass.Int32, (T, K), 4),  # indices
         fake(cutlass.Int32, (T,), 4) if has_topk_length else None,  # topk_length
@@ -815,7 +815,7 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     Inputs: ``dout``, ``out`` ``[T, H, d_v]`` and ``q [T, H, d_qk]``, ``kv [S, d_qk]``, all of one
     dtype (bf16 or fp16); ``indices [T, topk]`` int32; ``topk_length [T]`` or None; ``lse
     [T, H]`` float32, natural log (-inf for a row without a valid slot); ``o_lo [T, H, d_v]``
-    float32 or empty (dpsum from ``out`` alone); ``sm_scale`` float; ``d_v`` 512.
+    in q's dtype or empty (dpsum from ``out`` alone); ``sm_scale`` float; ``d_v`` 512.
 
     ``dkv_accum`` is in the kernel's **interleaved column order** (see :func:`dkv_interleave`):
     columns are permuted within aligned groups of 16, rows are not moved. A zeroed buffer needs no
@@ -839,9 +839,9 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
                          f"{tuple(dout.shape)} and out {tuple(out.shape)} (need [T, H, d_v]), lse "
                          f"{tuple(lse.shape)} (need [T, H]), o_lo {tuple(o_lo.shape)} (need "
                          f"[T, H, d_v] or empty)")
-    if out.dtype != q.dtype or lse.dtype != torch.float32 or o_lo.dtype != torch.float32:
-        raise ValueError(f"out must have q's dtype and lse, o_lo float32; got {out.dtype}, "
-                         f"{lse.dtype}, {o_lo.dtype}")
+    if out.dtype != q.dtype or o_lo.dtype != q.dtype or lse.dtype != torch.float32:
+        raise ValueError(f"out and o_lo must have q's dtype and lse float32; got {out.dtype}, "
+                         f"{o_lo.dtype}, {lse.dtype}")
     if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != T:
         raise ValueError(f"indices must be int32 [T, topk], got {indices.dtype} {tuple(indices.shape)}")
     if (dkv_accum.dtype != torch.float32 or tuple(dkv_accum.shape) != (S, d_qk)

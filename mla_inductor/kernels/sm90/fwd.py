@@ -5,7 +5,7 @@ Computes, for every token ``t`` and head ``h``::
     s_j   = sm_scale * q[t, h, :d_qk] . kv[indices[t, j], :d_qk]      (j over valid slots)
     out   = sum_j softmax(s)_j * kv[indices[t, j], :d_v]
     lse   = log(sum_j exp(s_j))                                      (natural log, fp32)
-    o_lo  = float32(O_normalised) - float32(out)                      (optional)
+    o_lo  = float32(O_normalised) - float32(out), rounded to out's dtype (optional)
 
 A slot is valid when ``0 <= indices[t, j] < S`` and ``j < topk_length[t]``; invalid slots are
 never read (their ``cp.async`` has source size 0, which zero-fills the shared-memory row) and
@@ -72,11 +72,13 @@ Design (decisions, in the order they were taken)
   more than the threshold, so p <= 2**threshold, which the kernel checks fits bf16/fp16).
   p is fp32; the row sum accumulates the fp32 p; p is rounded to the input dtype for P V.
   Source: FlashAttention-4 ``softmax.py`` and the seed notes (docs/seed-notes.md).
-* Epilogue: ``out = O / row_sum`` rounded to the input dtype, ``o_lo = O / row_sum - out`` in
-  fp32, ``lse = (m + log2(row_sum)) * ln 2`` (written by A, rows ``h < H``; -inf when the row
-  sum is 0). out and o_lo are staged row-major (rows padded by 16 bytes where that fits) in the
-  dead KV stages, then written by all 256 consumer threads as coalesced 16-byte stores of whole
-  rows ``h < H``.
+* Epilogue: ``out = O / row_sum`` rounded to the input dtype, ``o_lo = O / row_sum - out``
+  rounded to it too (a residual of about 2**-9 of out, kept to about 2**-9 of itself: out + o_lo
+  carries O to about 2**-17, and it costs half the bytes of an fp32 o_lo), ``lse = (m +
+  log2(row_sum)) * ln 2`` (written by A, rows ``h < H``; -inf when the row sum is 0). out and
+  o_lo are staged together, row-major (rows padded by 16 bytes where both tiles still fit), in
+  the dead KV stages, then written by all 256 consumer threads as coalesced 16-byte stores of
+  whole rows ``h < H``.
 * One compiled kernel serves every ``T``, ``H``, ``S`` and ``topk`` (all symbolic); the compile
   key is (dtype, d_qk, d_v, threshold, o_lo, has topk_length). It is launched on torch's current
   stream through TVM-FFI.
@@ -177,7 +179,7 @@ class SparseMlaFwdSm90:
         mTopkLen: cute.Tensor | None,  # [T] int32
         mO: cute.Tensor,  # [T, H, d_v]
         mLSE: cute.Tensor,  # [T, H] fp32
-        mOlo: cute.Tensor | None,  # [T, H, d_v] fp32
+        mOlo: cute.Tensor | None,  # [T, H, d_v], out's dtype
         scale_log2: Float32,
         stream,
     ):
@@ -654,40 +656,44 @@ class SparseMlaFwdSm90:
     @cute.jit
     def _store_o(self, acc_O, thr_pv, sKV, mO, mOlo, t, h0, num_heads,
                  half: cutlass.Constexpr, inv, tid):
-        """out = O * inv (rounded to the output dtype) and o_lo = O * inv - out, rows < H only.
+        """out = O * inv rounded to the output dtype and, with o_lo, o_lo = O * inv - out rounded
+        to it too; rows < H only.
 
-        Both consumer warpgroups stage their d_v halves in the (dead) KV stages, rows padded
-        against bank conflicts where the space allows, then all 256 consumer threads (``tid``)
-        write whole rows with coalesced 16-byte stores: first out, then o_lo.
+        Both consumer warpgroups stage their d_v halves of out (and o_lo) in the (dead) KV stages,
+        rows padded against bank conflicts where the space allows, then all 256 consumer threads
+        (``tid``) write whole rows with coalesced 16-byte stores.
         """
         self._rescale(acc_O, inv[0], inv[1])
         rounded = acc_O.load().to(self.dtype)
         staging = sKV.iterator.toint()
-        sOut = self._staging_tile(staging, self.dtype)
+        n_tiles = 2 if self.has_o_lo else 1
+        sOut = self._staging_tile(staging, 0, n_tiles)
         thr_pv.partition_C(cute.local_tile(sOut, (TILE_H, self.d_half), (0, half))).store(rounded)
-        cute.arch.barrier(barrier_id=BAR_STAGED, number_of_threads=256)
-        self._copy_rows_out(sOut, mO, t, h0, num_heads, tid, 8)
         if const_expr(self.has_o_lo):
-            cute.arch.barrier(barrier_id=BAR_STAGED, number_of_threads=256)
-            sOlo = self._staging_tile(staging, Float32)
+            sOlo = self._staging_tile(staging, 1, n_tiles)
             thr_pv.partition_C(cute.local_tile(sOlo, (TILE_H, self.d_half), (0, half))).store(
-                acc_O.load() - rounded.to(Float32)
+                (acc_O.load() - rounded.to(Float32)).to(self.dtype)
             )
-            cute.arch.barrier(barrier_id=BAR_STAGED, number_of_threads=256)
-            self._copy_rows_out(sOlo, mOlo, t, h0, num_heads, tid, 4)
+        cute.arch.barrier(barrier_id=BAR_STAGED, number_of_threads=256)
+        self._copy_rows_out(sOut, mO, t, h0, num_heads, tid)
+        if const_expr(self.has_o_lo):
+            self._copy_rows_out(sOlo, mOlo, t, h0, num_heads, tid)
 
-    def _staging_tile(self, addr, dtype):
-        """(64, d_v) row-major tile over the KV stages, rows padded by 16 bytes if it fits."""
-        pad = 16 // (dtype.width // 8)
-        kv_bytes = 2 * self.stage_elems * (self.dtype.width // 8)
-        if TILE_H * (self.d_v + pad) * (dtype.width // 8) > kv_bytes:
+    def _staging_tile(self, addr, i: int, n_tiles: int):
+        """Tile ``i`` of ``n_tiles`` (64, d_v) row-major tiles of the input dtype laid over the KV
+        stages from byte address ``addr``; rows padded by 16 bytes if all tiles still fit."""
+        elem = self.dtype.width // 8
+        pad = 16 // elem
+        if n_tiles * TILE_H * (self.d_v + pad) * elem > 2 * self.stage_elems * elem:
             pad = 0
-        ptr = cute.make_ptr(dtype, addr, cute.AddressSpace.smem, assumed_align=16)
+        ptr = cute.make_ptr(self.dtype, addr + i * TILE_H * (self.d_v + pad) * elem,
+                            cute.AddressSpace.smem, assumed_align=16)
         return cute.make_tensor(ptr, cute.make_layout((TILE_H, self.d_v), stride=(self.d_v + pad, 1)))
 
     @cute.jit
-    def _copy_rows_out(self, sX, mX, t, h0, num_heads, tid, vec: cutlass.Constexpr):
+    def _copy_rows_out(self, sX, mX, t, h0, num_heads, tid):
         """Staged (64, d_v) tile -> mX[t, h0:h0+64] in 16-byte vectors, rows < H only."""
+        vec = 16 // (self.dtype.width // 8)
         per_row = self.d_v // vec
         rows_per_pass = 256 // per_row
         for k in cutlass.range_constexpr(TILE_H * per_row // 256):
@@ -724,7 +730,7 @@ def compile_forward(dtype_name: str, d_qk: int, d_v: int, rescale_threshold: flo
     topk_len = fake(Int32, (n_tok,), assumed_align=4) if has_topk_length else None
     out = fake(dtype, (n_tok, n_head, d_v), stride_order=(2, 1, 0), assumed_align=16)
     lse = fake(Float32, (n_tok, n_head), stride_order=(1, 0), assumed_align=4)
-    o_lo = (fake(Float32, (n_tok, n_head, d_v), stride_order=(2, 1, 0), assumed_align=16)
+    o_lo = (fake(dtype, (n_tok, n_head, d_v), stride_order=(2, 1, 0), assumed_align=16)
             if has_o_lo else None)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(kernel, q, kv, idx, topk_len, out, lse, o_lo, Float32(1.0), stream,
@@ -770,10 +776,11 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
         topk_length: ``[T]`` int32 or None; slots at positions >= topk_length[t] are empty.
         sm_scale: softmax scale (float). d_v: 512. rescale_threshold: 0.0 (exact running max)
             or a lazy threshold in log2 units (< 127 for bf16, < 15 for fp16).
-        return_o_lo: also return ``o_lo = float32(O) - out``.
+        return_o_lo: also return ``o_lo = float32(O) - out`` rounded to q's dtype.
 
     Returns:
-        ``(out [T, H, d_v] q.dtype, lse [T, H] fp32 natural log, o_lo [T, H, d_v] fp32 or empty)``.
+        ``(out [T, H, d_v] q.dtype, lse [T, H] fp32 natural log, o_lo [T, H, d_v] q.dtype or
+        empty)``.
 
     Raises:
         ValueError / TypeError: unsupported shapes, head dims, device or dtypes.
@@ -795,8 +802,7 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
                          f"indices {tuple(indices.shape)}")
     out = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
-    o_lo = (torch.empty(T, H, d_v, dtype=torch.float32, device=q.device) if return_o_lo
-            else q.new_empty(0, dtype=torch.float32))
+    o_lo = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device) if return_o_lo else q.new_empty(0)
     if T == 0 or H == 0:
         return out, lse, o_lo
     if indices.shape[1] == 0:
