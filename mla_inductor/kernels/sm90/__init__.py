@@ -24,13 +24,13 @@ SUPPORTED_DIMS = ((576, 512), (512, 512))  # (d_qk, d_v)
 
 
 def supports(dtype, direction, T, H, S, d_qk, d_v) -> tuple[bool, str]:
-    """Whether the kernels handle this problem (``auto`` falls back to the reference if not)."""
+    """Whether the kernels handle this problem (``auto`` falls back to the reference if not):
+    bf16/fp16 and ``(d_qk, d_v)`` in :data:`SUPPORTED_DIMS`. Every T, S, H and topk is supported
+    (64-bit offsets wherever a product of sizes can pass 2**31), limited only by GPU memory."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False, f"sm90 kernels take bfloat16 or float16, got {dtype}"
     if (d_qk, d_v) not in SUPPORTED_DIMS:
         return False, f"sm90 kernels support (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}"
-    if direction == "backward" and (T * H * d_qk >= 2**31 or S * d_qk >= 2**31):
-        return False, "sm90 backward uses 32-bit offsets: T*H*d_qk and S*d_qk must be < 2**31"
     return True, ""
 
 

@@ -75,8 +75,13 @@ Main kernel design (warp-specialised like the cuDNN frontend's SM90 DSA backward
 * dq is converted to q's dtype and stored straight from registers (heads < H).
 
 Shared memory for d_qk = 576: Q 72 KiB + K/V 72 KiB + dO 64 KiB + P 8 KiB + dS 8 KiB (+ 1 KiB),
-which fits the 227 KiB per CTA (one CTA per SM). Offsets are 32-bit: T*H*d_qk and S*d_qk must be
-below 2**31 (checked).
+which fits the 227 KiB per CTA (one CTA per SM).
+
+Long inputs: every offset that a product of sizes can push past 2**31 is 64-bit. The
+``[T, H, d]`` tensors take a 64-bit token stride (a run-time value, so ``token * stride`` is
+computed in 64 bits), the indices' row stride is 64-bit, and gathers and dkv atomics form their
+addresses from ``Int64(row) * d_qk``. The grid is ``T * ceil(H / 64)`` CTAs on x (limit
+2**31 - 1).
 """
 
 import math
@@ -564,13 +569,16 @@ class SparseMlaBackwardSm90:
 
     @cute.jit
     def store_dq(self, mdQ, token, head0, thr_dq, acc_dq, c0, w):
-        """dq epilogue: registers -> global, heads < H only."""
+        """dq epilogue: registers -> global, heads < H only. The token's 64-bit offset is formed
+        here from an opaque copy of ``token``, so that it is not shared with (and kept live
+        from) the prologue's identical offset into q, which cost registers and spills."""
         c_dq = thr_dq.partition_C(cute.make_identity_tensor((_TILE_M, w)))
+        gdQ = mdQ[opaque_i32(token), None, None]
         for i in cutlass.range_constexpr(cute.size(acc_dq)):
             m, col = c_dq[i]
             head = head0 + m
             if head < self.heads:
-                mdQ[token, head, c0 + col] = acc_dq[i].to(mdQ.element_type)
+                gdQ[head, c0 + col] = acc_dq[i].to(mdQ.element_type)
 
     @cute.jit
     def wg1_body(
@@ -760,16 +768,22 @@ def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_
         order = tuple(range(len(shape) - 1, -1, -1))
         return cute.runtime.make_fake_compact_tensor(dt, shape, stride_order=order, assumed_align=align)
 
+    def per_token(dt, d):
+        # [T, heads, d] with a run-time 64-bit token stride (= heads * d): with the static
+        # stride heads * d, token * stride would be 32-bit arithmetic and wrap past 2**31
+        stride = cute.sym_int(64, divisibility=heads * d)
+        return cute.runtime.make_fake_tensor(dt, (T, heads, d), (stride, d, 1), assumed_align=16)
+
     args = (
-        fake(cdtype, (T, heads, d_qk), 16),  # q
+        per_token(cdtype, d_qk),  # q
         fake(cdtype, (S, d_qk), 16),  # kv
-        fake(cdtype, (T, heads, d_v), 16),  # dout
-        fake(cdtype, (T, heads, d_v), 16),  # out
-        fake(cdtype, (T, heads, d_v), 16) if has_o_lo else None,  # o_lo
+        per_token(cdtype, d_v),  # dout
+        per_token(cdtype, d_v),  # out
+        per_token(cdtype, d_v) if has_o_lo else None,  # o_lo
         fake(cutlass.Float32, (T, heads), 4),  # lse
         fake(cutlass.Int32, (T, K), 4),  # indices
         fake(cutlass.Int32, (T,), 4) if has_topk_length else None,  # topk_length
-        fake(cdtype, (T, heads, d_qk), 16),  # dq
+        per_token(cdtype, d_qk),  # dq
         fake(cutlass.Float32, (S, d_qk), 16),  # dkv_accum
         cutlass.Float32(1.0),  # sm_scale
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
@@ -847,8 +861,6 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     if (dkv_accum.dtype != torch.float32 or tuple(dkv_accum.shape) != (S, d_qk)
             or not dkv_accum.is_contiguous() or dkv_accum.data_ptr() % 16 != 0):
         raise ValueError("dkv_accum must be a contiguous, 16-byte aligned float32 [S, d_qk] tensor")
-    if T * H * d_qk >= 2**31 or S * d_qk >= 2**31:
-        raise ValueError("sm90 backward indexes with 32-bit offsets: T*H*d_qk and S*d_qk must be < 2**31")
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or H == 0:
         return dq
