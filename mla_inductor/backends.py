@@ -7,6 +7,11 @@ device), ``sm90`` (our Hopper CuTe DSL kernels), ``sm100`` (FlashAttention-4's B
 The choice comes from :func:`use_backend` (innermost wins) or else the environment variable
 ``MLA_INDUCTOR_BACKEND``, read at call time. Under ``torch.compile`` the choice is made when the
 compiled code runs, not when it is traced.
+
+``auto`` on a CUDA device that no kernel backend covers for the problem (compute capability,
+float32, shape, a package that is missing or cannot run) uses the reference and warns, once per
+distinct direction and reason, that it does so and that the reference is much slower. On any
+other device the reference is the right backend and ``auto`` picks it without a warning.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ ENV_VAR = "MLA_INDUCTOR_BACKEND"
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "mla_inductor_backend", default=None
 )
-_warned: set[tuple[int, int]] = set()
+_warned: set[tuple[str, str]] = set()  # (direction, reason) pairs already warned about
 
 
 def _check_name(name: str) -> str:
@@ -80,31 +85,37 @@ def _supports(candidate: ModuleType, dtype, direction: str, dims) -> tuple[bool,
     return candidate.supports(dtype, direction, *dims)
 
 
-def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims) -> ModuleType:
-    if device.type != "cuda" or dtype == torch.float32:
-        return module("reference")
-    major, minor = torch.cuda.get_device_capability(device)
-    arch = "sm90" if (major, minor) == (9, 0) else "sm100" if major == 10 else None
-    if arch is not None:
-        try:
-            candidate = module(arch)
-        except ImportError:
-            candidate = None
-        if (
-            candidate is not None
-            and hasattr(candidate, direction)
-            and candidate.available()[0]
-            and _supports(candidate, dtype, direction, dims)[0]
-        ):
-            return candidate
-    if arch is None and (major, minor) not in _warned:
-        _warned.add((major, minor))
+def _fall_back(direction: str, reason: str) -> ModuleType:
+    """The reference backend, with one ``UserWarning`` per distinct ``(direction, reason)``."""
+    if (direction, reason) not in _warned:
+        _warned.add((direction, reason))
         warnings.warn(
-            f"mla_inductor: no sparse-MLA kernel for compute capability {major}.{minor}; "
-            "falling back to the PyTorch reference backend (slow)",
-            stacklevel=3,
+            f"mla_inductor: sparse-MLA {direction} falls back to the PyTorch reference backend, "
+            f"which is much slower (often 50-100x): {reason}",
+            stacklevel=4,
         )
     return module("reference")
+
+
+def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims) -> ModuleType:
+    if device.type != "cuda":
+        return module("reference")
+    if dtype == torch.float32:
+        return _fall_back(direction, "float32 input; the GPU kernels take bfloat16 or float16")
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = "sm90" if (major, minor) == (9, 0) else "sm100" if major == 10 else None
+    if arch is None:
+        return _fall_back(direction, f"no sparse-MLA kernel for compute capability {major}.{minor}")
+    try:
+        candidate = module(arch)
+    except ImportError as error:
+        return _fall_back(direction, f"the {arch} backend cannot be imported ({error})")
+    ok, reason = candidate.available()
+    if ok and not hasattr(candidate, direction):
+        ok, reason = False, f"the {arch} backend has no {direction} kernel"
+    if ok:
+        ok, reason = _supports(candidate, dtype, direction, dims)
+    return candidate if ok else _fall_back(direction, reason)
 
 
 def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) -> ModuleType:
@@ -112,6 +123,7 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) 
 
     ``dims = (T, H, S, d_qk, d_v)`` lets ``auto`` skip a kernel backend that does not support the
     problem (its ``supports()`` says why) in favour of the reference; a forced backend raises.
+    Every such fallback of ``auto`` on a CUDA device warns (see the module docstring).
 
     Raises:
         RuntimeError: when the requested backend cannot run here; the message names what is

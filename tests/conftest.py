@@ -1,4 +1,5 @@
-"""Shared test helpers: an independent dense fp64 reference and input builders."""
+"""Shared test helpers: an independent dense fp64 reference, input builders, and the kernel cache
+kept out of the user's cache folder."""
 
 from __future__ import annotations
 
@@ -56,6 +57,14 @@ def random_inputs(T, H, d_qk, S, topk, dtype=torch.bfloat16, device="cpu", seed=
         drop = torch.rand(T, topk, generator=g) < invalid_frac
         indices = torch.where(drop, -1, indices)
     return q, kv, indices.to(device)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def kernel_cache_in_a_temporary_folder(tmp_path_factory):
+    """Kernels the tests compile go to a folder of this session, never the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MLA_INDUCTOR_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernel-cache")))
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

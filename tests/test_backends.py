@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import pytest
 import torch
 from conftest import random_inputs
 
 from mla_inductor import backends, sparse_mla, use_backend
-from mla_inductor.kernels import reference
+from mla_inductor.kernels import reference, sm90
 
 
 def test_auto_on_cpu_is_reference(monkeypatch):
@@ -58,14 +61,83 @@ def test_selection_happens_when_the_compiled_code_runs(monkeypatch):
     assert calls == [1]
 
 
-def test_unknown_cuda_architecture_falls_back_with_one_warning(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr(backends, "_warned", set())
-    device = torch.device("cuda", 0)
-    with pytest.warns(UserWarning, match="compute capability 8.0; falling back to the PyTorch reference"):
-        assert backends.select(device, torch.bfloat16, "forward") is reference
-    import warnings
+CUDA = torch.device("cuda", 0)
+DIMS = (4, 2, 16, 576, 512)  # (T, H, S, d_qk, d_v): a shape both kernel backends cover
 
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """``auto`` with a CUDA device of a chosen capability on this machine; returns the setter."""
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    monkeypatch.setattr(backends, "_warned", set())
+
+    def set_capability(cap):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+
+    return set_capability
+
+
+def fallback_warnings(*calls):
+    """Runs ``select(*args)`` for each args tuple; returns the messages of the warnings raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for args in calls:
+            assert backends.select(*args) is reference
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def test_unknown_cuda_architecture_falls_back_with_one_warning_per_direction(fake_gpu):
+    fake_gpu((8, 0))
+    fwd, bwd = (CUDA, torch.bfloat16, "forward", DIMS), (CUDA, torch.bfloat16, "backward", DIMS)
+    messages = fallback_warnings(fwd, fwd, bwd, bwd)
+    assert messages == [
+        "mla_inductor: sparse-MLA forward falls back to the PyTorch reference backend, which is "
+        "much slower (often 50-100x): no sparse-MLA kernel for compute capability 8.0",
+        "mla_inductor: sparse-MLA backward falls back to the PyTorch reference backend, which is "
+        "much slower (often 50-100x): no sparse-MLA kernel for compute capability 8.0",
+    ]
+
+
+def test_unsupported_shape_warns_once_per_reason(fake_gpu, monkeypatch):
+    fake_gpu((9, 0))
+    monkeypatch.setattr(sm90, "available", lambda: (True, ""))
+    narrow = (CUDA, torch.bfloat16, "forward", (4, 2, 16, 128, 128))
+    wide = (CUDA, torch.bfloat16, "forward", (4, 2, 16, 1024, 512))
+    messages = fallback_warnings(narrow, narrow, wide, narrow)
+    assert len(messages) == 2
+    assert all("falls back to the PyTorch reference backend, which is much slower" in m for m in messages)
+    assert messages[0].endswith("got (128, 128)") and messages[1].endswith("got (1024, 512)")
+    assert "sm90 kernels support (d_qk, d_v)" in messages[0]
+
+
+def test_backend_that_cannot_run_warns_with_its_reason(fake_gpu, monkeypatch):
+    fake_gpu((9, 0))
+    monkeypatch.setattr(sm90, "available", lambda: (False, "sm90: nvidia-cutlass-dsl not importable (x)"))
+    [message] = fallback_warnings((CUDA, torch.float16, "forward", DIMS), (CUDA, torch.float16, "forward", DIMS))
+    assert message.endswith("much slower (often 50-100x): sm90: nvidia-cutlass-dsl not importable (x)")
+
+
+def test_backend_that_cannot_be_imported_warns(fake_gpu, monkeypatch):
+    fake_gpu((10, 0))
+    monkeypatch.setitem(sys.modules, "mla_inductor.kernels.sm100", None)  # import raises ImportError
+    [message] = fallback_warnings((CUDA, torch.bfloat16, "backward", DIMS))
+    assert "sparse-MLA backward falls back" in message and "much slower" in message
+    assert "the sm100 backend cannot be imported (" in message
+
+
+def test_float32_on_a_gpu_warns(fake_gpu):
+    fake_gpu((9, 0))
+    [message] = fallback_warnings((CUDA, torch.float32, "forward", DIMS), (CUDA, torch.float32, "forward", None))
+    assert message.endswith("much slower (often 50-100x): float32 input; the GPU kernels take bfloat16 or float16")
+
+
+def test_cpu_never_warns(fake_gpu):
+    fake_gpu((8, 0))
+    cpu = torch.device("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert backends.select(device, torch.bfloat16, "backward") is reference
+        for dtype in (torch.float32, torch.bfloat16):
+            for direction in ("forward", "backward"):
+                assert backends.select(cpu, dtype, direction, (4, 2, 16, 128, 128)) is reference
+        q, kv, idx = random_inputs(4, 2, 16, 8, 3)
+        sparse_mla(q.float().requires_grad_(), kv.float(), idx, d_v=8).sum().backward()

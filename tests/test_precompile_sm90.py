@@ -47,7 +47,7 @@ def test_threshold_that_overflows_p_is_rejected():
 
 
 def test_disk_cache_round_trip(tmp_path, monkeypatch):
-    """With MLA_INDUCTOR_KERNEL_CACHE set, a compiled kernel is exported and loaded back."""
+    """A compiled kernel is exported to the disk cache and loaded back, also without a GPU."""
     from mla_inductor.kernels.cache import DISK_CACHE_ENV, KernelCache
     from mla_inductor.kernels.sm90 import fwd
 
