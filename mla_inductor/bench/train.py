@@ -1,4 +1,4 @@
-"""Training benchmark: ``python -m mla_inductor.bench train``.
+"""train: one layer's forward + backward, and a compiled training step of the demo model.
 
 Two measurements, each with the SM90 kernels (backend ``sm90``) next to the PyTorch reference
 backend (``reference``) in the same run:
@@ -15,15 +15,17 @@ backend (``reference``) in the same run:
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import time
 
 import torch
 import torch.nn.functional as F
 
-from . import backends, demo
-from .api import sparse_mla
-from .bench import D_QK, D_V, make_indices, require_sm90, shape_parser, time_ms
+from .. import backends, demo
+from ..api import sparse_mla
+from .problems import D_QK, D_V, PATTERNS, add_shape_arguments, make_indices, require_sm90
+from .timing import time_ms
 
 
 def layer_flops(T: int, H: int, topk: int, d_qk: int = D_QK, d_v: int = D_V) -> int:
@@ -31,10 +33,10 @@ def layer_flops(T: int, H: int, topk: int, d_qk: int = D_QK, d_v: int = D_V) -> 
     return 2 * T * H * topk * (4 * d_qk + 3 * d_v)
 
 
-def bench_layer(Ts, Hs, topk, patterns=("random", "causal")):
+def bench_layer(Ts, Hs, topk, patterns=PATTERNS):
     """Prints the one-layer forward + backward table (module docstring) for token counts ``Ts``
     (S = 2T), head counts ``Hs``, d_qk 576 / d_v 512, bf16. Needs a CUDA device where the sm90
-    kernels run (:func:`mla_inductor.bench.require_sm90`)."""
+    kernels run (:func:`mla_inductor.bench.problems.require_sm90`)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# sparse-MLA layer forward + backward, {datetime.date.today()}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, d_qk {D_QK}, d_v {D_V}, "
@@ -107,14 +109,17 @@ def bench_model(cfg: demo.Config, warmup: int = 3, steps: int = 10):
               f"{loss.item():.3f} |", flush=True)
 
 
-def main(argv=None):
-    """``python -m mla_inductor.bench train [--T ...] [--H ...] [--topk N] [--skip-layer]
-    [--skip-model]``. Exits with a message when the sm90 kernels cannot run here."""
-    ap = shape_parser("python -m mla_inductor.bench train", __doc__.splitlines()[0])
-    ap.add_argument("--skip-layer", action="store_true", help="skip the one-layer table")
-    ap.add_argument("--skip-model", action="store_true",
-                    help="skip the demo-model training step")
-    args = ap.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``train`` subcommand's flags: the shapes, ``--skip-layer`` and ``--skip-model``."""
+    add_shape_arguments(parser)
+    parser.add_argument("--skip-layer", action="store_true", help="skip the one-layer table")
+    parser.add_argument("--skip-model", action="store_true",
+                        help="skip the demo-model training step")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Runs the subcommand for parsed flags (:func:`add_arguments`). Exits with a message when
+    the sm90 kernels cannot run here."""
     require_sm90("kernels")
     if not args.skip_layer:
         bench_layer(args.T, args.H, args.topk)

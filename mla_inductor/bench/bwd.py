@@ -1,22 +1,25 @@
-"""Benchmark of the SM90 sparse-MLA backward: ``python -m mla_inductor.bench bwd``.
+"""bwd: the SM90 sparse-MLA backward against cuDNN's and the PyTorch reference's.
 
 TFLOPS use ``2 * T * H * topk * (3 * d_qk + 2 * d_v)`` (invalid slots counted), the convention
 of the cuDNN frontend and TileLang. Times are medians of the whole backward (preprocess, kernel,
-cast), next to the PyTorch reference backend on the same inputs (:func:`mla_inductor.bench.time_ms`)
-and, when ``nvidia-cudnn-frontend`` is importable, its SM90 DSA backward (attention sink of -inf
-per head, i.e. no sink) with the ratio ours / cuDNN; ours and cuDNN's are timed in interleaved
-rounds (:func:`mla_inductor.bench.time_ms_interleaved`), so that both see the same clock drift;
+cast), next to the PyTorch reference backend on the same inputs
+(:func:`mla_inductor.bench.timing.time_ms`) and, when ``nvidia-cudnn-frontend`` is importable,
+its SM90 DSA backward (attention sink of -inf per head, i.e. no sink) with the ratio ours /
+cuDNN; ours and cuDNN's are timed in interleaved rounds
+(:func:`mla_inductor.bench.timing.time_ms_interleaved`), so that both see the same clock drift;
 with ``--protocol cooled`` both are timed as FlashMLA's benchmark times kernels
-(:func:`mla_inductor.bench.time_ms_cooled`, means).
+(:func:`mla_inductor.bench.timing.time_ms_cooled`, means).
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
-from .bench import PROTOCOLS, make_indices, require_sm90, shape_parser, time_ms
-from .kernels import reference
-from .kernels.sm90 import bwd
+from ..kernels import reference
+from .problems import PATTERNS, add_shape_arguments, make_indices, require_sm90
+from .timing import PROTOCOLS, add_protocol_argument, time_ms
 
 
 def _cudnn_backward():
@@ -33,12 +36,15 @@ def _rel_l2(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def run(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, protocol="sustained"):
+def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, protocol="sustained"):
     """Prints one line: the sm90 backward's time (ms) and TFLOPS at ``T`` tokens, S = 2T, ``H``
-    heads, bf16, ``pattern`` indices (see :func:`mla_inductor.bench.make_indices`), next to
-    cuDNN's (when importable) under the same ``protocol`` (a key of
-    :data:`mla_inductor.bench.PROTOCOLS`) and the reference backend's (sustained). Needs a CUDA
-    device where the sm90 kernels run (:func:`mla_inductor.bench.require_sm90`)."""
+    heads, bf16, ``pattern`` indices (see :func:`mla_inductor.bench.problems.make_indices`),
+    next to cuDNN's (when importable) under the same ``protocol`` (a key of
+    :data:`mla_inductor.bench.timing.PROTOCOLS`) and the reference backend's (sustained). Needs
+    a CUDA device where the sm90 kernels run
+    (:func:`mla_inductor.bench.problems.require_sm90`)."""
+    from ..kernels.sm90 import bwd
+
     g = torch.Generator(device="cuda").manual_seed(0)
     S = 2 * T
     q = torch.randn(T, H, d_qk, device="cuda", generator=g).bfloat16()
@@ -70,17 +76,22 @@ def run(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, protocol="s
     print(line, flush=True)
 
 
-def main(argv=None):
-    """``python -m mla_inductor.bench bwd [--T ...] [--H ...] [--topk N] [--protocol P]
-    [--no-reference]``.
-    Exits with a message when the sm90 kernels cannot run here."""
-    ap = shape_parser("python -m mla_inductor.bench bwd", __doc__.splitlines()[0], protocol=True)
-    ap.add_argument("--no-reference", action="store_true",
-                    help="skip the (slow) PyTorch reference column")
-    args = ap.parse_args(argv)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bwd`` subcommand's flags: the shapes, ``--protocol`` and ``--no-reference``."""
+    add_shape_arguments(parser)
+    add_protocol_argument(parser)
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the (slow) PyTorch reference column")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Runs the subcommand for parsed flags (:func:`add_arguments`): one line per T x H x
+    pattern (the reference column only for T <= 4096). Exits with a message when the sm90
+    kernels cannot run here."""
     require_sm90("backward")
     for T in args.T:
         for H in args.H:
-            for pattern in ("random", "causal"):
-                run(T, H, args.topk, pattern, with_reference=not args.no_reference and T <= 4096,
-                    protocol=args.protocol)
+            for pattern in PATTERNS:
+                bench_row(T, H, args.topk, pattern,
+                          with_reference=not args.no_reference and T <= 4096,
+                          protocol=args.protocol)

@@ -1,0 +1,15 @@
+"""Benchmarks of the sparse-MLA kernels on the current GPU: one command with subcommands.
+
+    python -m mla_inductor.bench fwd   [--T 4096 16384] [--H 128 64] [--topk 2048] [--protocol P]
+    python -m mla_inductor.bench bwd   [--T ...] [--H ...] [--topk N] [--protocol P]
+        [--no-reference]
+    python -m mla_inductor.bench train [--T ...] [--H ...] [--topk N] [--skip-layer] [--skip-model]
+
+``--help`` works at every level. Modules: :mod:`.cli` (the command), one module per subcommand
+(:mod:`.fwd`, :mod:`.bwd`, :mod:`.train`: each ``add_arguments(parser)`` and ``run(args)``),
+:mod:`.timing` (the timers and protocols every table uses) and :mod:`.problems` (widths, index
+patterns, shape flags, the SM90 check).
+
+A tool on top of the op, like :mod:`mla_inductor.demo` and :mod:`mla_inductor.numerics`: it
+imports the package; nothing in the package imports it.
+"""

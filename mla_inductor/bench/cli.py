@@ -1,0 +1,40 @@
+"""The command ``python -m mla_inductor.bench {fwd,bwd,train} [flags]``: one argument parser
+with a subcommand per benchmark module (:data:`SUBCOMMANDS`); ``--help`` works at every level."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from . import bwd, fwd, train
+
+SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser: each subcommand's help is the first line of its module's docstring, its
+    description the whole docstring, its flags the module's ``add_arguments``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mla_inductor.bench",
+        description="Benchmarks of the sparse-MLA kernels on the current GPU (SM90). Each "
+        "subcommand prints a markdown table; `<subcommand> --help` lists its flags.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{fwd,bwd,train}")
+    for name, module in SUBCOMMANDS.items():
+        doc = module.__doc__
+        p = sub.add_parser(name, help=doc.splitlines()[0].split(": ", 1)[1], description=doc,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Parses ``argv`` (default: the command line) and runs the subcommand.
+
+    Raises:
+        SystemExit: 2 with a usage message for a missing or unknown subcommand or flag, 0 after
+            ``--help``; with a message naming the reason when the SM90 kernels cannot run here.
+    """
+    args = build_parser().parse_args(argv)
+    args.run(args)

@@ -1,0 +1,45 @@
+"""The benchmarks' problems: DeepSeek V3.2's widths, the index patterns, the shape flags, and
+the check that the SM90 kernels can run here."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+D_QK, D_V = 576, 512
+PATTERNS = ("random", "causal")
+
+
+def make_indices(
+    T: int, S: int, topk: int, pattern: str, generator: torch.Generator
+) -> torch.Tensor:
+    """``indices [T, topk]`` int32 on CUDA: ``random`` (uniform over S) or ``causal`` (token t at
+    position S - T + t, its own key in slot 0, -1 past its position)."""
+    if pattern == "random":
+        return torch.randint(0, S, (T, topk), device="cuda", dtype=torch.int32, generator=generator)
+    pos = (S - T) + torch.arange(T, device="cuda")
+    idx = (torch.rand(T, topk, device="cuda", generator=generator) * (pos[:, None] + 1)).long()
+    idx[:, 0] = pos
+    idx = torch.where(torch.arange(topk, device="cuda")[None] <= pos[:, None], idx, -1)
+    return idx.int()
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the shape flags every subcommand shares: ``--T`` (token counts, S = 2T), ``--H``
+    (head counts) and ``--topk``."""
+    parser.add_argument("--T", type=int, nargs="+", default=[4096, 16384],
+                        help="token counts T (S = 2T); default: 4096 16384")
+    parser.add_argument("--H", type=int, nargs="+", default=[128, 64],
+                        help="head counts; default: 128 64")
+    parser.add_argument("--topk", type=int, default=2048, help="slots per token; default: 2048")
+
+
+def require_sm90(what: str) -> None:
+    """Raises ``SystemExit("sm90 <what> not available here: <reason>")`` unless the SM90 kernels
+    can run on this machine."""
+    from mla_inductor.kernels import sm90
+
+    ok, why = sm90.available()
+    if not ok:
+        raise SystemExit(f"sm90 {what} not available here: {why}")

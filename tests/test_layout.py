@@ -1,0 +1,86 @@
+"""The package's import graph: the tools (the bench command, the numerics module and CLI, the
+demo) sit on top of the op, nothing below imports them, and no modules import each other in a
+circle. Read from the source (every ``import`` statement, also those inside functions)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import mla_inductor
+
+ROOT = pathlib.Path(mla_inductor.__file__).parent
+TOOLS = ("mla_inductor.bench", "mla_inductor.demo", "mla_inductor.numerics")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = ["mla_inductor", *path.relative_to(ROOT).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
+    """The package modules ``name`` imports: ``from a import b`` counts as ``a.b`` when that is a
+    module, else as ``a``. A module's own ancestor packages are left out: Python imports them
+    before the module anyway, so ``from . import X`` in a submodule closes no circle."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in modules else base)
+    return {m for m in found if m in modules and m != name and not name.startswith(m + ".")}
+
+
+def _graph():
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _is_tool(name: str) -> bool:
+    return any(name == t or name.startswith(t + ".") for t in TOOLS)
+
+
+def test_graph_is_read_from_the_source():
+    graph = _graph()
+    assert "mla_inductor.custom_ops" in graph["mla_inductor.api"]
+    assert "mla_inductor.bench.timing" in graph["mla_inductor.bench.fwd"]
+    assert "mla_inductor.kernels.reference" in graph["mla_inductor.kernels.emulate"]
+
+
+def test_nothing_below_the_tools_imports_them():
+    graph = _graph()
+    below = {m: deps for m, deps in graph.items() if not _is_tool(m)}
+    assert not {(m, dep) for m, deps in below.items() for dep in deps if _is_tool(dep)}
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(m):
+        state[m] = "open"
+        path.append(m)
+        for dep in sorted(graph[m]):
+            if state.get(dep) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
