@@ -61,7 +61,7 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
     dout = torch.randn(T, H, d_v, device="cuda", generator=g).bfloat16()
     idx = make_indices(T, S, topk, pattern, g)
     sm_scale = d_qk**-0.5
-    out, lse, o_lo = fwd.forward(q, kv, idx, None, sm_scale, d_v, 0.0, True)
+    out, lse, o_lo, _ = fwd.forward(q, kv, idx, None, sm_scale, d_v, 0.0, True)
     no_o_lo = o_lo.new_empty(0)
     flops = 2 * T * H * topk * (3 * d_qk + 2 * d_v)
     fns = {"sm90": lambda: bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v),
@@ -78,7 +78,7 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
            f"(without o_lo {flops / times['sm90, no o_lo'] / 1e9:7.1f})"
     if cudnn_bwd is not None:
         cudnn_ms = times["cudnn"]
-        ours, theirs = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v), \
+        ours, theirs = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)[:2], \
             cudnn_bwd(q, kv, out, dout, lse, sink, idx, softmax_scale=sm_scale)
         agree = max(_rel_l2(ours[0], theirs["dq"]), _rel_l2(ours[1], theirs["dkv"]))
         line += f" | cuDNN {cudnn_ms:8.3f} ms {flops / cudnn_ms / 1e9:7.1f} TFLOPS " \
