@@ -105,7 +105,10 @@ def test_features_forward_and_backward_vs_fp64(threshold, H, causal, with_sink):
         assert d_sink is None
     else:
         assert d_sink.dtype == torch.float32 and d_sink.shape == (H,)
-        assert rel_l2(d_sink, sink64.grad) < 5e-3
+        # head 0 has no sink (-inf): its gradient is 0 (fp64 autograd gives NaN on the row
+        # whose lse is -inf: exp(-inf - -inf))
+        assert d_sink[0] == 0
+        assert rel_l2(d_sink[1:], sink64.grad[1:]) < 5e-3
 
 
 def test_sink_of_minus_inf_is_no_sink():
