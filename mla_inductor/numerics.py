@@ -64,14 +64,15 @@ def _chunks(T: int, per_token: int):
 
 
 def _gather64(kv, indices, topk_length):
-    """fp64 rows ``[c, topk, d_qk]`` and the validity mask ``[c, topk]``; empty slots read row 0."""
+    """fp64 rows ``[c, topk, d_qk]`` (zeros on empty slots: row 0's values never reach a result)
+    and the validity mask ``[c, topk]``."""
     S = kv.shape[0]
     valid = (indices >= 0) & (indices < S)
     if topk_length is not None:
         valid &= torch.arange(indices.shape[1], device=indices.device) < topk_length[:, None]
     safe = torch.where(valid, indices, torch.zeros_like(indices)).long()
     rows = kv.index_select(0, safe.reshape(-1)).reshape(*indices.shape, kv.shape[1])
-    return rows.double(), valid
+    return torch.where(valid[..., None], rows.double(), 0.0), valid
 
 
 def _probs64(q_c, rows, valid, sm_scale):
