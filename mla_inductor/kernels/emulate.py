@@ -93,12 +93,15 @@ def forward(
             kernel uses 128).
 
     Raises:
-        ValueError: if ``block_n < 1`` or ``rescale_threshold < 0``.
+        ValueError: if ``block_n < 1``, or ``rescale_threshold`` is negative, NaN or inf (the op
+            checks it before, with the bound for the dtype).
     """
     if block_n < 1:
         raise ValueError(f"block_n must be >= 1, got {block_n}")
-    if rescale_threshold < 0:
-        raise ValueError(f"rescale_threshold must be >= 0 (log2 units), got {rescale_threshold}")
+    if not 0.0 <= rescale_threshold < math.inf:
+        raise ValueError(
+            f"rescale_threshold must be finite and >= 0 (log2 units), got {rescale_threshold}"
+        )
     T, H, d_qk = q.shape
     S = kv.shape[0]
     out = q.new_zeros((T, H, d_v))
