@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import backends
+from . import backends, logs
 from .api import sparse_mla
 
 VOCAB = 256  # bytes
@@ -275,7 +275,7 @@ class ThresholdLog(logging.Handler):
                 seen.sort()
 
     def __enter__(self):
-        self.logger = logging.getLogger("mla_inductor")
+        self.logger = logging.getLogger(logs.NAME)
         self.old_level = self.logger.level
         if not self.logger.isEnabledFor(logging.INFO):
             self.logger.setLevel(logging.INFO)
