@@ -384,6 +384,25 @@ def test_cli_prints_the_order_table(capsys):
         for run in r["backward"][name].values():
             assert run["dq"] > 0 and run["dkv"] > 0
     N.main(args)
-    table = capsys.readouterr().out
+    shown = capsys.readouterr()
+    table = shown.out
     assert "| lazy max (8.0), dominant last |" in table
     assert "| exact max (0.0), either order |" in table
+    # Progress goes to stderr, one line per step, with the thread count the demo would use.
+    assert "emulate on cpu, 1 CPU thread(s)" in shown.err
+    assert [line.split("step ")[1][:3] for line in shown.err.splitlines() if "step " in line] == [
+        "1/5", "2/5", "3/5", "4/5", "5/5"]
+
+
+def test_cli_threads_are_set_for_the_run_and_restored(capsys, monkeypatch):
+    seen = []
+    real = N.order_table
+    monkeypatch.setattr(N, "order_table", lambda *a, **k: seen.append(torch.get_num_threads())
+                        or real(*a, **k))
+    before = torch.get_num_threads()
+    N.main(["--backend", "emulate", "--tokens", "16", "--heads", "2", "--topk", "8", "--d-qk",
+            "32", "--d-v", "16", "--threads", "2"])
+    assert seen == [2] and torch.get_num_threads() == before
+    with pytest.raises(SystemExit):
+        N.main(["--backend", "emulate", "--threads", "0"])
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err
