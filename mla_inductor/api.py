@@ -1,42 +1,41 @@
-"""The public entry point :func:`sparse_mla`."""
+"""The public entry point :func:`sparse_mla`: argument types in, the entry op, outputs out."""
 
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from . import custom_ops  # noqa: F401  (registers torch.ops.mla_inductor.*)
-from .validation import INDEX_DTYPES
 
 
 def _require(cond: bool, message: str) -> None:
-    """A static check of the batched layout, needed before reshaping (a plain raise, which Dynamo
-    reports as an observed exception). Every other check is left to the ops' fake kernels
-    (:mod:`mla_inductor.validation`), whose messages head the error at trace time."""
+    """A check of the Python argument types, which the op's schema needs before it can be called
+    (a plain raise; under torch.compile Dynamo reports it as an observed exception). Layouts,
+    shapes and dtypes are checked by the entry op (:mod:`mla_inductor.validation`), whose
+    messages come first in the error at trace time."""
     if not cond:
         raise RuntimeError(f"sparse_mla: {message}")
 
 
-def _squeeze_heads(t: Tensor, rank: int, what: str) -> Tensor:
-    """``[.., 1, D]`` -> ``[.., D]`` for kv and indices; any other rank passes through unchanged
-    so that the op's check reports it."""
-    if t.dim() != rank + 1:
-        return t
-    torch._check(
-        t.shape[-2] == 1,
-        lambda: f"sparse_mla: {what} must have a head dimension of 1 (MQA: one latent row and one "
-        "index set per token, shared by all query heads); a batched kv or indices needs a batched "
-        "q [B, T, H, d_qk]",
-    )
-    return t.squeeze(-2)
-
-
-def _mask_invalid(indices: Tensor, S) -> Tensor:
-    """Invalid slots -> -1 before any cast or offset: an int64 index >= 2**31 must not wrap into
-    a valid row, and a batch element's index >= S must not land in the next element."""
-    return torch.where((indices >= 0) & (indices < S), indices, -1)
+def _number(name: str, value, integral: bool = False):
+    """``value`` as the Python number the op's schema takes (``int`` if ``integral``, else
+    ``float``); torch's symbolic numbers pass through. A tensor, even a 0-d one, is refused in
+    eager and compiled code alike: under torch.compile its value is not known while tracing, and
+    the op needs it then (it is a compile-time constant of the kernels)."""
+    kind = "int" if integral else "float"
+    if isinstance(value, Tensor):
+        raise RuntimeError(
+            f"sparse_mla: {name} must be a Python {kind}, got a {value.dim()}-d tensor; pass "
+            f"{name}={kind}(t) (or t.item()) outside the compiled region"
+        )
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        return value
+    ok = isinstance(value, numbers.Integral if integral else numbers.Real)
+    _require(ok and not isinstance(value, bool), f"{name} must be a Python {kind}, got {value!r}")
+    return int(value) if integral else float(value)
 
 
 def sparse_mla(
@@ -63,11 +62,12 @@ def sparse_mla(
         indices: ``[T, topk]`` or ``[T, 1, topk]``; batched ``[B, T, topk]`` with indices local to
             each batch element. int32 (int64 accepted). An index < 0 or >= S is an empty slot:
             never read, contributes nothing. Duplicates count once per occurrence.
-        sm_scale: softmax scale; defaults to ``d_qk ** -0.5``.
-        d_v: value width, ``<= d_qk``; default 512 (DeepSeek V3.2, d_qk = 576).
+        sm_scale: softmax scale, a Python float (not a tensor); defaults to ``d_qk ** -0.5``.
+        d_v: value width, a Python int ``<= d_qk``; default 512 (DeepSeek V3.2, d_qk = 576).
         topk_length: optional int32 ``[T]`` (batched ``[B, T]``; int64 accepted); slots at
-            positions ``>= topk_length[t]`` are empty.
-        rescale_threshold: online-softmax lazy-rescale threshold in log2 units. ``None`` (the
+            positions ``>= topk_length[t]`` are empty (whatever their index).
+        rescale_threshold: online-softmax lazy-rescale threshold in log2 units, a Python float:
+            finite, ``>= 0`` and below 15 for float16, 64 for bfloat16 / float32. ``None`` (the
             default) lets :mod:`mla_inductor.policy` decide at graph capture: 0.0 (exact running
             max) when a backward consumes the forward, 8.0 otherwise.
         return_lse: also return the log-sum-exp.
@@ -75,56 +75,37 @@ def sparse_mla(
     Returns:
         ``out [.., T, H, d_v]`` in q's dtype; with ``return_lse`` also ``lse [.., T, H]`` float32,
         natural log of the softmax denominator of ``sm_scale * q.k`` (not differentiable). A row
-        with no valid slot gives ``out = 0``, ``lse = -inf`` and zero gradients.
+        with no valid slot gives ``out = 0``, ``lse = -inf`` and zero gradients. A NaN or inf in
+        q, or in a kv row that a valid slot names, gives NaN ``out`` (and NaN ``lse`` where a
+        score is NaN or +inf) on the rows it reaches; rows of kv that no valid slot names are
+        never read.
 
     Raises:
-        RuntimeError: q, kv or indices not a tensor, wrong ranks, mismatched d_qk,
-            ``d_v > d_qk``, a T or head mismatch between q and indices, non-integer indices,
-            mixed devices or an unsupported dtype (the same messages at trace time under
-            ``torch.compile``); a forced backend that cannot run here.
+        RuntimeError (every message starts ``sparse_mla:``): q, kv or indices not a tensor;
+            sm_scale, d_v or rescale_threshold not a Python number (a tensor, also 0-d, is
+            refused); wrong ranks, a batched layout whose sizes do not match (the message gives
+            the expected layout and the sizes found), mismatched d_qk, ``d_v > d_qk``, a T or
+            head mismatch between q and indices, a ``topk_length`` that is not ``[T]``
+            (``[B, T]``), non-integer indices, mixed devices or an unsupported dtype; a
+            rescale_threshold that is not finite, negative or too large for the dtype (all of
+            these also at trace time under ``torch.compile``); forward-mode AD or a ``torch.func``
+            transform that differentiates (only reverse mode is implemented; ``vmap`` works); a
+            forced backend that cannot run here.
     """
     for name, t in (("q", q), ("kv", kv), ("indices", indices)):
         _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    d_qk = q.shape[-1]
-    if sm_scale is None:
-        sm_scale = d_qk**-0.5
-    batched = q.dim() == 4
-    rank = 3 if batched else 2
-    kv = _squeeze_heads(kv, rank, "kv")
-    indices = _squeeze_heads(indices, rank, "indices")
-    if batched:
-        _require(kv.dim() == 3, f"batched kv must be [B, S, d_qk] or [B, S, 1, d_qk], got rank {kv.dim()}")
-        _require(indices.dim() == 3, f"batched indices must be [B, T, topk], got rank {indices.dim()}")
-        _require(
-            indices.dtype in INDEX_DTYPES,
-            f"indices must be an integer tensor (int32 or int64), got {indices.dtype}",
-        )
-        B, T, S = q.shape[0], q.shape[1], kv.shape[1]
-        torch._check(
-            indices.shape[0] == B and kv.shape[0] == B,
-            lambda: "sparse_mla: batch size differs between q [B, T, H, d_qk], kv [B, S, (1,) d_qk] "
-            "and indices [B, T, (1,) topk]",
-        )
-        torch._check(
-            indices.shape[1] == T,
-            lambda: "sparse_mla: token count mismatch between q [B, T, H, d_qk] and indices [B, T, topk]",
-        )
-        offsets = (torch.arange(B, device=indices.device, dtype=indices.dtype) * S).view(B, 1, 1)
-        indices = _mask_invalid(indices, S)
-        indices = torch.where(indices >= 0, indices + offsets, -1).to(torch.int32)
-        q = q.reshape(B * T, q.shape[2], d_qk)
-        kv = kv.reshape(B * S, d_qk)
-        indices = indices.reshape(B * T, indices.shape[-1])
-        if topk_length is not None:
-            topk_length = topk_length.reshape(B * T)
-    elif indices.dtype == torch.int64 and kv.dim() == 2:
-        indices = _mask_invalid(indices, kv.shape[0]).to(torch.int32)
-    if topk_length is not None and topk_length.dtype == torch.int64:
-        topk_length = topk_length.clamp(0, indices.shape[-1]).to(torch.int32)
-    out, lse = torch.ops.mla_inductor.sparse_mla(
-        q, kv, indices, topk_length, float(sm_scale), d_v, rescale_threshold
+    _require(
+        topk_length is None or isinstance(topk_length, Tensor),
+        f"topk_length must be a torch.Tensor or None, got {type(topk_length).__name__}",
     )
-    if batched:
-        out = out.view(B, T, *out.shape[1:])
-        lse = lse.view(B, T, lse.shape[-1])
+    if sm_scale is None:
+        sm_scale = (q.shape[-1] if q.dim() else 1) ** -0.5
+    else:
+        sm_scale = _number("sm_scale", sm_scale)
+    if rescale_threshold is not None:
+        rescale_threshold = _number("rescale_threshold", rescale_threshold)
+    out, lse = torch.ops.mla_inductor.sparse_mla(
+        q, kv, indices, topk_length, sm_scale, _number("d_v", d_v, integral=True),
+        rescale_threshold,
+    )
     return (out, lse) if return_lse else out

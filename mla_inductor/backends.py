@@ -36,7 +36,9 @@ _warned: set[tuple[str, str]] = set()  # (direction, reason) pairs already warne
 
 def _check_name(name: str) -> str:
     if name not in NAMES:
-        raise ValueError(f"unknown mla_inductor backend {name!r}; choose one of {', '.join(NAMES)}")
+        raise ValueError(
+            f"sparse_mla: unknown mla_inductor backend {name!r}; choose one of {', '.join(NAMES)}"
+        )
     return name
 
 
@@ -44,13 +46,26 @@ def _check_name(name: str) -> str:
 def use_backend(name: str):
     """Context manager selecting the backend for the sparse-MLA ops run inside it.
 
+    Enter it around a call, compiled or not: ``with use_backend("reference"): compiled(x)``.
+    Under ``torch.compile`` the backend is chosen each time the compiled code runs, so one
+    compiled function follows whatever ``use_backend`` is in force around it, without a
+    recompile. Inside a compiled function it cannot be entered (Dynamo does not trace
+    ``ContextVar.set``).
+
     Args:
         name: one of ``auto``, ``reference``, ``emulate``, ``sm90``, ``sm100``.
 
     Raises:
-        ValueError: for an unknown name. A known backend that cannot run on the tensors' device
+        ValueError: for an unknown name. RuntimeError: when entered inside a function that
+            ``torch.compile`` traces. A known backend that cannot run on the tensors' device
             raises ``RuntimeError`` (naming what is missing) when an op runs.
     """
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "sparse_mla: use_backend() cannot be entered inside a compiled function; enter it "
+            "around the call of the compiled function (the backend is chosen when the compiled "
+            "code runs)"
+        )
     token = _override.set(_check_name(name))
     try:
         yield
@@ -135,7 +150,9 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) 
     try:
         chosen = module(name)
     except ImportError as error:
-        raise RuntimeError(f"mla_inductor backend {name!r} cannot run here: {error}") from error
+        raise RuntimeError(
+            f"sparse_mla: mla_inductor backend {name!r} cannot run here: {error}"
+        ) from error
     ok, reason = chosen.available()
     if ok and name in ("sm90", "sm100") and device.type != "cuda":
         ok, reason = False, f"the tensors are on {device.type}, not on a CUDA device"
@@ -144,7 +161,7 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) 
     if ok and hasattr(chosen, direction):
         ok, reason = _supports(chosen, dtype, direction, dims)
     if not ok:
-        raise RuntimeError(f"mla_inductor backend {name!r} cannot run here: {reason}")
+        raise RuntimeError(f"sparse_mla: mla_inductor backend {name!r} cannot run here: {reason}")
     if not hasattr(chosen, direction):
         # A kernel backend without its own backward pairs with the reference backward, which
         # consumes the same (out, lse, o_lo).

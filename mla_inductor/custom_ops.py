@@ -1,9 +1,11 @@
 """The sparse-MLA ops in ``torch.ops.mla_inductor``: schemas, fake kernels, autograd wiring.
 
 - ``sparse_mla(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold) -> (out, lse)``:
-  the entry op, CompositeImplicitAutograd. Dynamo keeps it as one node; AOTAutograd (and eager)
-  decompose it, resolving ``rescale_threshold=None`` through :mod:`mla_inductor.policy` while the
-  training or the inference graph is traced, into
+  the entry op, CompositeImplicitAutograd, in any layout of :mod:`mla_inductor.layout`. Dynamo
+  keeps it as one node (its checks, :mod:`mla_inductor.validation`, raise while Dynamo
+  propagates FakeTensors through it); AOTAutograd (and eager) decompose it, flattening the layout
+  and resolving ``rescale_threshold=None`` through :mod:`mla_inductor.policy` while the training
+  or the inference graph is traced, into
 - ``sparse_mla_fwd(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo)
   -> (out, lse, o_lo)`` and its autograd partner
 - ``sparse_mla_bwd(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v) -> (dq, dkv)``.
@@ -24,8 +26,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, lowering, policy
-from .validation import check_backward_inputs, check_forward_inputs
+from . import backends, layout, lowering, policy
+from .validation import (
+    check_backward_inputs,
+    check_forward_inputs,
+    check_no_forward_ad,
+    check_no_func_transform,
+    check_rescale_threshold,
+)
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
 
@@ -62,9 +70,12 @@ def sparse_mla_fwd(
 
     Raises:
         RuntimeError: the input checks of :mod:`mla_inductor.validation` (the same messages from
-            the fake kernel at trace time), or a forced backend that cannot run here.
+            the fake kernel at trace time; forward-mode AD only at run time), or a forced backend
+            that cannot run here.
     """
     check_forward_inputs(q, kv, indices, topk_length, d_v)
+    check_rescale_threshold(rescale_threshold, q.dtype)
+    check_no_forward_ad(q, kv)
     backend = backends.select(q.device, q.dtype, "forward", _dims(q, kv, d_v))
     return backend.forward(
         q.contiguous(),
@@ -81,6 +92,7 @@ def sparse_mla_fwd(
 @sparse_mla_fwd.register_fake
 def _(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo):
     check_forward_inputs(q, kv, indices, topk_length, d_v)
+    check_rescale_threshold(rescale_threshold, q.dtype)
     lowering.install()
     out = q.new_empty((q.shape[0], q.shape[1], d_v))
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
@@ -167,18 +179,23 @@ _lib.define(
 
 
 def _sparse_mla(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold):
+    check_no_func_transform()
+    check_no_forward_ad(q, kv)
+    if rescale_threshold is not None:
+        check_rescale_threshold(rescale_threshold, q.dtype)
+    flat = layout.flatten(q, kv, indices, topk_length)
     decision = policy.decide(q, kv, rescale_threshold)
     out, lse, _ = torch.ops.mla_inductor.sparse_mla_fwd(
-        q,
-        kv,
-        indices,
-        topk_length,
+        flat.q,
+        flat.kv,
+        flat.indices,
+        flat.topk_length,
         sm_scale,
         d_v,
         decision.rescale_threshold,
         decision.needs_backward,
     )
-    return out, lse
+    return layout.unflatten(out, lse, flat.batch)
 
 
 _lib.impl("sparse_mla", _sparse_mla, "CompositeImplicitAutograd")

@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import backends
+from . import backends, logs
+from .threads import cpu_threads, default_threads
 from .api import sparse_mla
 
 VOCAB = 256  # bytes
@@ -72,9 +73,7 @@ class Config:
     def resolved(self) -> "Config":
         """On CUDA: bfloat16 and DeepSeek's d_latent 512, d_rope 64 (the shapes the GPU kernels
         implement); elsewhere float32, d_latent 64, d_rope 16 (the reference backend takes any)
-        and one CPU thread. The ops are tiny, and OpenMP barriers spin when other processes
-        share the cores: on 2 cores a step took 0.07 s with 1 thread and 0.05 s with 2 when idle,
-        but 0.1 s against 1.8 s with 2 when other jobs were running."""
+        and one CPU thread (:func:`mla_inductor.threads.default_threads`, which says why)."""
         cuda = torch.device(self.device).type == "cuda"
 
         def pick(value, on_cuda, elsewhere):
@@ -85,7 +84,7 @@ class Config:
             d_latent=pick(self.d_latent, 512, 64),
             d_rope=pick(self.d_rope, 64, 16),
             dtype=pick(self.dtype, "bfloat16", "float32"),
-            threads=pick(self.threads, torch.get_num_threads(), 1),
+            threads=default_threads(self.device) if self.threads is None else self.threads,
         )
 
 
@@ -275,7 +274,7 @@ class ThresholdLog(logging.Handler):
                 seen.sort()
 
     def __enter__(self):
-        self.logger = logging.getLogger("mla_inductor")
+        self.logger = logging.getLogger(logs.NAME)
         self.old_level = self.logger.level
         if not self.logger.isEnabledFor(logging.INFO):
             self.logger.setLevel(logging.INFO)
@@ -388,12 +387,8 @@ def run(cfg: Config, out: Callable[[str], None] = print) -> Report:
     if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {cfg.device!r}: this torch build or machine has no CUDA device "
                          "(omit --device to run on the CPU)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)
-    try:
+    with cpu_threads(cfg.threads):
         return _run(cfg, out)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(cfg: Config, out: Callable[[str], None]) -> Report:

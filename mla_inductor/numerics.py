@@ -41,11 +41,13 @@ import argparse
 import json
 import math
 import time
-from typing import NamedTuple, Optional
+import sys
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from mla_inductor import backends, use_backend
+from mla_inductor.threads import cpu_threads, default_threads
 
 PEAKED_ALPHA = 0.25
 SELF_ATTENTION_BETA = 0.4
@@ -64,14 +66,15 @@ def _chunks(T: int, per_token: int):
 
 
 def _gather64(kv, indices, topk_length):
-    """fp64 rows ``[c, topk, d_qk]`` and the validity mask ``[c, topk]``; empty slots read row 0."""
+    """fp64 rows ``[c, topk, d_qk]`` (zeros on empty slots: row 0's values never reach a result)
+    and the validity mask ``[c, topk]``."""
     S = kv.shape[0]
     valid = (indices >= 0) & (indices < S)
     if topk_length is not None:
         valid &= torch.arange(indices.shape[1], device=indices.device) < topk_length[:, None]
     safe = torch.where(valid, indices, torch.zeros_like(indices)).long()
     rows = kv.index_select(0, safe.reshape(-1)).reshape(*indices.shape, kv.shape[1])
-    return rows.double(), valid
+    return torch.where(valid[..., None], rows.double(), 0.0), valid
 
 
 def _probs64(q_c, rows, valid, sm_scale):
@@ -341,6 +344,7 @@ def order_table(
     d_v: int = 512,
     seed: int = 0,
     device="cpu",
+    progress: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """Measures the published order table for one backend on :func:`peaked_inputs`
     (``alpha = PEAKED_ALPHA``, ``sm_scale = d_qk ** -0.5``, ``S = T``, bf16).
@@ -348,7 +352,8 @@ def order_table(
     Runs ``torch.ops.mla_inductor.sparse_mla_fwd`` under ``use_backend(backend)`` with thresholds
     8.0 (lazy) and 0.0 (exact) on both orders (slot 0 = dominant key processed last;
     :func:`self_last` = dominant first), then ``sparse_mla_bwd`` (one random bf16 ``dout``)
-    without and with ``o_lo``.
+    without and with ``o_lo``. ``progress``, when given, is called with a line naming each of
+    the 5 steps as it starts.
 
     Returns:
         A JSON-serialisable dict: the configuration, ``self_weight`` (median, p90), ``floor``
@@ -361,6 +366,12 @@ def order_table(
         RuntimeError: if the backend cannot run on ``device``.
     """
     started = time.perf_counter()
+
+    def step(n: int, what: str) -> None:
+        if progress is not None:
+            progress(f"[{time.perf_counter() - started:6.1f} s] step {n}/5: {what}")
+
+    step(1, "float64 reference forward and backward")
     sm_scale = d_qk**-0.5
     q, kv = peaked_inputs(tokens, heads, d_qk, seed=seed, device=device)
     last = causal_topk_indices(tokens, topk, seed=seed + 1, device=device)
@@ -393,6 +404,9 @@ def order_table(
     for name, threshold in (("lazy", LAZY_THRESHOLD), ("exact", EXACT_THRESHOLD)):
         outs, fwd, bwd = {}, {}, {}
         for order, idx in orders.items():
+            n = 2 + (name == "exact") * 2 + (order == "dominant_first")
+            step(n, f"{backend}, {name} max ({threshold}), {order.replace('_', ' ')}: forward, "
+                    "backward without and with o_lo")
             with use_backend(backend):
                 out, lse_k, o_lo = ops.sparse_mla_fwd(
                     q, kv, idx, None, sm_scale, d_v, threshold, True
@@ -511,22 +525,34 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--d-v", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads (default: 1 for a CPU backend, as the demo; else torch's)",
+    )
     args = parser.parse_args(argv)
     backend = args.backend or _default_backend()
     device = "cuda" if backend in ("sm90", "sm100") else "cpu"
     ok, why = backends.module(backend).available()
     if not ok:
         parser.error(f"--backend {backend} cannot run here: {why}")
-    r = order_table(
-        backend,
-        tokens=args.tokens,
-        heads=args.heads,
-        topk=args.topk,
-        d_qk=args.d_qk,
-        d_v=args.d_v,
-        seed=args.seed,
-        device=device,
-    )
+    threads = default_threads(device) if args.threads is None else args.threads
+    if threads < 1:
+        parser.error(f"--threads must be >= 1, got {threads}")
+    print(f"order table of {backend} on {device}, {threads} CPU thread(s); progress on stderr, "
+          "the table on stdout", file=sys.stderr, flush=True)
+    with cpu_threads(threads):
+        r = order_table(
+            backend,
+            tokens=args.tokens,
+            heads=args.heads,
+            topk=args.topk,
+            d_qk=args.d_qk,
+            d_v=args.d_v,
+            seed=args.seed,
+            device=device,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
     print(json.dumps(r, indent=2) if args.json else format_table(r))
 
 

@@ -16,16 +16,17 @@ require grad and grad mode on still counts as training (a backward may follow); 
 
 from __future__ import annotations
 
-import logging
 import weakref
 from typing import NamedTuple, Optional
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from .logs import log
 
 EXACT = 0.0
 LAZY = 8.0
 
-log = logging.getLogger("mla_inductor")
 _warned_override = False
 _logged: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
 
@@ -75,13 +76,20 @@ def _warn_override(threshold: float) -> None:
 
 
 def _log_capture(decision: Decision) -> None:
-    """One INFO line per graph capture (and one per distinct decision in eager, at DEBUG)."""
+    """One INFO line per graph that records the decision: a trace with a proxy mode (AOTAutograd's
+    training or inference graph, ``make_fx``, ``ExportedProgram.run_decompositions()``). When
+    FakeTensors only propagate through the entry op (Dynamo, ``torch.export``), the op stays
+    in that graph undecided: one DEBUG line, as for an eager call."""
+    recorder = get_proxy_mode()
     ctx = torch._guards.TracingContext.try_get()
-    kind = "training graph" if decision.needs_backward else "inference graph"
-    if ctx is None:
-        log.debug("sparse_mla eager call: rescale_threshold=%s (%s)", decision.rescale_threshold, decision.reason)
+    if recorder is None:
+        where = "eager call" if ctx is None else "FakeTensor propagation (the entry op stays in " \
+            "this graph, decided when it is decomposed or run)"
+        log.debug("sparse_mla %s: rescale_threshold=%s (%s)", where, decision.rescale_threshold,
+                  decision.reason)
         return
-    seen = _logged.setdefault(ctx, set())
+    kind = "training graph" if decision.needs_backward else "inference graph"
+    seen = _logged.setdefault(recorder if ctx is None else ctx, set())
     if decision not in seen:
         seen.add(decision)
         log.info(

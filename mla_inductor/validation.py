@@ -1,19 +1,30 @@
 """Input checks shared by the fake kernels and the real implementations of the ops.
 
 Every check is a ``torch._check`` with a readable message, so the same error appears at trace
-time under ``torch.compile`` (raised by the fake kernel) and at run time (raised by the op body).
-The checks read only shapes, dtypes and devices, never tensor data, so they work on FakeTensors
-and symbolic sizes without specialising them.
+time under ``torch.compile`` (raised while the entry op's decomposition or a fake kernel runs on
+FakeTensors, which puts the message on the second line of Dynamo's error) and at run time
+(raised by the op body). The checks read only shapes, dtypes, devices and Python scalars, never
+tensor data, so they work on FakeTensors and symbolic sizes without specialising them.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as fwAD
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+# Exclusive upper bound of rescale_threshold (log2 units) per dtype of q. The lazy rescale lets
+# p = exp2(s - stale max) reach 2**threshold, and p is rounded to q's dtype for the P.V product:
+# float16 tops out at 65504 < 2**16 (the SM90 kernel takes < 15). bfloat16 and float32 reach
+# 2**128, but p also enters fp32 row sums and outputs over up to 2**31 slots of values up to
+# 2**32: below 2**64 they cannot overflow.
+MAX_RESCALE_THRESHOLD = {torch.float16: 15.0, torch.bfloat16: 64.0, torch.float32: 64.0}
 
 
 def _check(cond, message: str) -> None:
@@ -118,4 +129,99 @@ def check_backward_inputs(
     _check(
         o_lo.numel() == 0 or (o_lo.dim() == 3 and o_lo.shape == expected),
         f"o_lo must be empty or [T, H, d_v] = {expected}, got shape {tuple(o_lo.shape)}",
+    )
+
+
+def check_rescale_threshold(rescale_threshold: float, dtype: torch.dtype) -> None:
+    """Checks ``rescale_threshold`` (log2 units) for q's ``dtype``: finite, ``>= 0`` and below
+    :data:`MAX_RESCALE_THRESHOLD` (``0.0`` is the exact running max).
+
+    Raises:
+        RuntimeError: for NaN, inf, a negative value or one at or above the dtype's bound.
+    """
+    bound = MAX_RESCALE_THRESHOLD.get(dtype, math.inf)
+    _check(
+        math.isfinite(rescale_threshold) and 0.0 <= rescale_threshold < bound,
+        f"rescale_threshold must be finite, >= 0 and < {bound:g} for {dtype} (log2 units: the "
+        f"lazy rescale lets p reach 2**rescale_threshold; 0.0 is the exact running max, 8.0 "
+        f"the inference default), got {rescale_threshold}",
+    )
+
+
+def check_batched_inputs(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    topk_length: Optional[torch.Tensor],
+) -> None:
+    """Checks a batched call, ``q [B, T, H, d_qk]``, against ``kv [B, S, d_qk]``, ``indices
+    [B, T, topk]`` (head dimensions of 1 already squeezed) and ``topk_length [B, T]``; the rest
+    is checked on the flattened tensors by :func:`check_forward_inputs`.
+
+    Raises:
+        RuntimeError: naming the expected layout and the sizes found.
+    """
+    _check(
+        kv.dim() == 3,
+        f"batched kv must be [B, S, d_qk] or [B, S, 1, d_qk], got shape {tuple(kv.shape)}",
+    )
+    _check(
+        indices.dim() == 3,
+        f"batched indices must be [B, T, topk] or [B, T, 1, topk], got shape "
+        f"{tuple(indices.shape)}",
+    )
+    _check(
+        indices.dtype in INDEX_DTYPES,
+        f"indices must be an integer tensor (int32 or int64), got {indices.dtype}",
+    )
+    B, T = q.shape[0], q.shape[1]
+    _check(
+        kv.shape[0] == B and indices.shape[0] == B,
+        f"batch size differs: q [B, T, H, d_qk] has B={B}, kv [B, S, d_qk] has "
+        f"{kv.shape[0]}, indices [B, T, topk] has {indices.shape[0]}",
+    )
+    _check(
+        indices.shape[1] == T,
+        f"token count mismatch: q [B, T, H, d_qk] has T={T}, indices [B, T, topk] has "
+        f"T={indices.shape[1]}",
+    )
+    if topk_length is not None:
+        _check(
+            topk_length.dim() == 2 and topk_length.shape[0] == B and topk_length.shape[1] == T,
+            f"batched topk_length must be [B, T] = [{B}, {T}], got shape "
+            f"{tuple(topk_length.shape)}",
+        )
+
+
+def check_no_func_transform() -> None:
+    """Refuses the ``torch.func`` transforms that differentiate (``grad``, ``vjp``, ``jacrev``,
+    ``jacfwd``, ``jvp``, ``hessian``): the op's autograd is reverse-mode only and is not written
+    for functorch, which would otherwise fail inside torch or return zero tangents.
+    ``torch.func.vmap`` is allowed. Visible only above the op's autograd (in the entry op), where
+    the transform's interpreter is still on the stack.
+
+    Raises:
+        RuntimeError: naming the transforms and what to use instead.
+    """
+    transforms = {i.key() for i in retrieve_all_functorch_interpreters()}
+    _check(
+        not transforms & {TransformType.Grad, TransformType.Jvp},
+        "torch.func transforms that differentiate (grad, vjp, jacrev, jacfwd, jvp, hessian) are "
+        "not supported; use torch.autograd (loss.backward(), torch.autograd.grad). "
+        "torch.func.vmap works",
+    )
+
+
+def check_no_forward_ad(q: torch.Tensor, kv: torch.Tensor) -> None:
+    """Refuses forward-mode AD (``torch.autograd.forward_ad`` dual tensors), which would
+    otherwise return no tangent (read as zero): the op has a reverse-mode gradient only.
+
+    Raises:
+        RuntimeError: when q or kv carries a tangent.
+    """
+    _check(
+        all(fwAD.unpack_dual(t).tangent is None for t in (q, kv)),
+        "forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported: the op has "
+        "a reverse-mode gradient only; use torch.autograd (loss.backward(), "
+        "torch.autograd.grad)",
     )

@@ -14,7 +14,9 @@ def reference_sparse_mla_fp64(q, kv, indices, topk_length=None, sm_scale=None, d
 
     ``q [T, H, d_qk]``, ``kv [S, d_qk]``, ``indices [T, topk]`` (any integer dtype; < 0 or >= S
     is an empty slot), ``topk_length [T]`` or None. Returns ``(out [T, H, d_v], lse [T, H])`` in
-    float64, lse natural log; rows with no valid slot give out 0 and lse -inf.
+    float64, lse natural log; rows with no valid slot give out 0 and lse -inf. Rows of kv that
+    no valid slot names may hold anything (NaN, inf): they never reach a result. The rows that
+    are named must be finite (the one-hot product would spread a NaN to every token).
     """
     T, H, d_qk = q.shape
     S = kv.shape[0]
@@ -25,11 +27,13 @@ def reference_sparse_mla_fp64(q, kv, indices, topk_length=None, sm_scale=None, d
     valid = (idx >= 0) & (idx < S)
     if topk_length is not None:
         valid &= torch.arange(idx.shape[1], device=idx.device)[None, :] < topk_length.long()[:, None]
-    # One-hot selection matrix [T, topk, S] keeps the reference free of gathers.
+    # One-hot selection matrix [T, topk, S] keeps the reference free of gathers. Rows no valid
+    # slot names are zeroed first: 0 * NaN would otherwise carry their values into every key.
     onehot = torch.zeros(T, idx.shape[1], S, dtype=torch.float64, device=q.device)
     rows = torch.where(valid, idx, 0)
     onehot.scatter_(2, rows[..., None], valid[..., None].double())
-    keys = onehot @ kv64  # [T, topk, d_qk]
+    named = onehot.sum((0, 1)) > 0
+    keys = onehot @ torch.where(named[:, None], kv64, 0.0)  # [T, topk, d_qk]
     s = torch.einsum("thd,tkd->thk", q64, keys) * sm_scale
     s = s.masked_fill(~valid[:, None, :], -math.inf)
     lse = torch.logsumexp(s, dim=-1)
@@ -65,6 +69,40 @@ def kernel_cache_in_a_temporary_folder(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLA_INDUCTOR_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernel-cache")))
         yield
+
+
+CPU_BACKENDS = ("reference", "emulate")
+GPU_BACKENDS = ("sm90", "sm100")
+
+
+def kernel_available(name: str) -> tuple[bool, str]:
+    """Whether the GPU backend ``name`` can run on this machine, and why not."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    from mla_inductor import backends
+
+    try:
+        return backends.module(name).available()
+    except ImportError as exc:
+        return False, f"backend {name} not importable: {exc}"
+
+
+def backend_params(names=CPU_BACKENDS + GPU_BACKENDS):
+    """``pytest.param`` per backend name: the CPU ones always run; a GPU one is marked ``cuda``
+    and skipped (with the reason) where it cannot run."""
+    params = []
+    for name in names:
+        marks = []
+        if name in GPU_BACKENDS:
+            ok, reason = kernel_available(name)
+            marks = [pytest.mark.cuda, pytest.mark.skipif(not ok, reason=reason or "unavailable")]
+        params.append(pytest.param(name, id=name, marks=marks))
+    return params
+
+
+def backend_device(name: str) -> str:
+    """The device a backend's tensors live on: ``cpu`` for the CPU backends, else ``cuda``."""
+    return "cpu" if name in CPU_BACKENDS else "cuda"
 
 
 def pytest_collection_modifyitems(config, items):

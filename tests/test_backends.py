@@ -141,3 +141,18 @@ def test_cpu_never_warns(fake_gpu):
                 assert backends.select(cpu, dtype, direction, (4, 2, 16, 128, 128)) is reference
         q, kv, idx = random_inputs(4, 2, 16, 8, 3)
         sparse_mla(q.float().requires_grad_(), kv.float(), idx, d_v=8).sum().backward()
+
+
+def test_use_backend_inside_a_compiled_function_is_refused_by_name():
+    """use_backend belongs around the compiled call (see the test above); inside, under
+    fullgraph, the error names it and says where it goes."""
+    q, kv, idx = random_inputs(4, 2, 16, 8, 3)
+
+    def f(q, kv, idx):
+        with use_backend("reference"):
+            return sparse_mla(q, kv, idx, d_v=8)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"sparse_mla: use_backend\(\) cannot be entered inside a "
+                                        r"compiled function; enter it around the call"):
+        torch.compile(f, backend="eager", fullgraph=True)(q, kv, idx)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import mla_inductor
-from mla_inductor import backends, numerics as N
+from conftest import GPU_BACKENDS, backend_device, backend_params
+from mla_inductor import numerics as N
 from mla_inductor.kernels import emulate
 
 D_QK, D_V = 576, 512
@@ -28,36 +29,12 @@ SM_SCALE = D_QK**-0.5
 ORDER_T, ORDER_H, ORDER_TOPK = 256, 32, 256
 # Published 6.4x at T = 4096, topk = 2048, measured 7.36x here; the bound keeps margin (>= 3x).
 TEETH_BOUND = 4.0
-
-
-def _kernel_available(name: str) -> tuple[bool, str]:
-    if not torch.cuda.is_available():
-        return False, "no CUDA device"
-    try:
-        return backends.module(name).available()
-    except ImportError as exc:
-        return False, f"backend {name} not importable: {exc}"
-
-
-def _backend_params():
-    params = [pytest.param("emulate", id="emulate")]
-    for name in ("sm90", "sm100"):
-        ok, reason = _kernel_available(name)
-        marks = [pytest.mark.cuda, pytest.mark.skipif(not ok, reason=reason or "unavailable")]
-        params.append(pytest.param(name, id=name, marks=marks))
-    return params
-
-
-BACKENDS = _backend_params()
-
-
-def _device(backend: str) -> str:
-    return "cpu" if backend == "emulate" else "cuda"
+BACKENDS = backend_params(("emulate",) + GPU_BACKENDS)
 
 
 def _forward(backend, q, kv, indices, topk_length=None, *, threshold, return_o_lo=True):
     """``sparse_mla_fwd`` through ``backend`` on its device; results back on the CPU."""
-    dev = _device(backend)
+    dev = backend_device(backend)
     tl = None if topk_length is None else topk_length.to(dev)
     with mla_inductor.use_backend(backend):
         out, lse, o_lo = torch.ops.mla_inductor.sparse_mla_fwd(
@@ -67,7 +44,7 @@ def _forward(backend, q, kv, indices, topk_length=None, *, threshold, return_o_l
 
 
 def _backward(backend, dout, q, kv, indices, out, lse, o_lo, topk_length=None):
-    dev = _device(backend)
+    dev = backend_device(backend)
     tl = None if topk_length is None else topk_length.to(dev)
     with mla_inductor.use_backend(backend):
         dq, dkv = torch.ops.mla_inductor.sparse_mla_bwd(
@@ -79,7 +56,7 @@ def _backward(backend, dout, q, kv, indices, out, lse, o_lo, topk_length=None):
 
 def _train(backend, q, kv, indices, dout, rescale_threshold=None):
     """Public op in training mode (inputs require grad): ``(out, dq, dkv)`` on the CPU."""
-    dev = _device(backend)
+    dev = backend_device(backend)
     q_ = q.to(dev).detach().requires_grad_()  # a fresh leaf: .grad never accumulates across calls
     kv_ = kv.to(dev).detach().requires_grad_()
     with mla_inductor.use_backend(backend):
@@ -407,6 +384,25 @@ def test_cli_prints_the_order_table(capsys):
         for run in r["backward"][name].values():
             assert run["dq"] > 0 and run["dkv"] > 0
     N.main(args)
-    table = capsys.readouterr().out
+    shown = capsys.readouterr()
+    table = shown.out
     assert "| lazy max (8.0), dominant last |" in table
     assert "| exact max (0.0), either order |" in table
+    # Progress goes to stderr, one line per step, with the thread count the demo would use.
+    assert "emulate on cpu, 1 CPU thread(s)" in shown.err
+    assert [line.split("step ")[1][:3] for line in shown.err.splitlines() if "step " in line] == [
+        "1/5", "2/5", "3/5", "4/5", "5/5"]
+
+
+def test_cli_threads_are_set_for_the_run_and_restored(capsys, monkeypatch):
+    seen = []
+    real = N.order_table
+    monkeypatch.setattr(N, "order_table", lambda *a, **k: seen.append(torch.get_num_threads())
+                        or real(*a, **k))
+    before = torch.get_num_threads()
+    N.main(["--backend", "emulate", "--tokens", "16", "--heads", "2", "--topk", "8", "--d-qk",
+            "32", "--d-v", "16", "--threads", "2"])
+    assert seen == [2] and torch.get_num_threads() == before
+    with pytest.raises(SystemExit):
+        N.main(["--backend", "emulate", "--threads", "0"])
+    assert "--threads must be >= 1, got 0" in capsys.readouterr().err

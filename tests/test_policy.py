@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +14,7 @@ from expecttest import assert_expected_inline
 from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend, normalize_gm
 from torch.utils.checkpoint import checkpoint
 
-from mla_inductor import policy, sparse_mla
+from mla_inductor import logs, policy, sparse_mla
 from mla_inductor.kernels import reference
 
 T, H, D, S, K, DV = 8, 4, 32, 16, 6, 16
@@ -168,3 +172,53 @@ class GraphModule(torch.nn.Module):
     bw_calls = [n for n in backend.bw_graphs[0].graph.nodes if n.target == torch.ops.mla_inductor.sparse_mla_bwd.default]
     assert len(fw_calls) == 1 and len(bw_calls) == 1
     assert fw_calls[0].args[4:] == (0.125, DV, 0.0, True)
+
+
+_LOGGED_RUN = """
+import torch, mla_inductor
+q = torch.randn(8, 4, 32, requires_grad=True)
+kv = torch.randn(16, 32)
+idx = torch.randint(-1, 16, (8, 6), dtype=torch.int32)
+f = torch.compile(lambda q: mla_inductor.sparse_mla(q, kv, idx, d_v=16), backend="aot_eager",
+                  fullgraph=True)
+f(q).sum().backward()
+with torch.no_grad():
+    f(q)
+mla_inductor.sparse_mla(q, kv, idx, d_v=16)
+"""
+
+
+@pytest.mark.parametrize("setting", ["mla_inductor", "+mla_inductor"])
+def test_torch_logs_shows_the_decisions(setting):
+    """TORCH_LOGS names the package's logger (registered with torch's logging): INFO shows one
+    line per captured graph, + (DEBUG) also the eager calls."""
+    env = {**os.environ, "TORCH_LOGS": setting}
+    run = subprocess.run([sys.executable, "-c", _LOGGED_RUN], env=env, capture_output=True,
+                         text=True, timeout=600, cwd=pathlib.Path(__file__).parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    captures = [line for line in run.stderr.splitlines() if "sparse_mla capture:" in line]
+    assert len(captures) == 2, run.stderr[-2000:]
+    assert captures[0].endswith("training graph, rescale_threshold=0.0 (a backward graph "
+                                "consumes this forward)")
+    assert captures[1].endswith("inference graph, rescale_threshold=8.0 (inference: grad mode "
+                                "is off)")
+    assert ("sparse_mla eager call: rescale_threshold=0.0" in run.stderr) == setting.startswith("+")
+    assert logs.REGISTERED and torch._logging._internal.log_registry.is_log(logs.NAME)
+
+
+def test_export_logs_what_the_exported_program_does(caplog):
+    """torch.export keeps the entry op in the exported graph (no threshold is recorded, no
+    capture line); run_decompositions() records the inference threshold, and logs it."""
+    model = Block()
+    x, idx = _inputs()
+    with caplog.at_level(logging.INFO, logger="mla_inductor"):
+        exported = torch.export.export(model, (x, idx))
+        at_export = [r.getMessage() for r in caplog.records]
+        decomposed = exported.run_decompositions()
+    ops = [n.target for n in exported.graph.nodes if n.op == "call_function"]
+    assert torch.ops.mla_inductor.sparse_mla.default in ops
+    assert not [m for m in at_export if m.startswith("sparse_mla capture")]
+    fwd = [n for n in decomposed.graph.nodes if n.target == torch.ops.mla_inductor.sparse_mla_fwd.default]
+    assert len(fwd) == 1 and fwd[0].args[6] == 8.0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sparse_mla capture")]
+    assert lines == ["sparse_mla capture: inference graph, rescale_threshold=8.0 (inference: grad mode is off)"]

@@ -22,8 +22,9 @@ backends:
 
 ``backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v) -> (dq, dkv)``
     ``dout [T, H, d_v]``, ``out``/``lse``/``o_lo`` as returned by ``forward`` (``o_lo`` may be
-    empty). ``dpsum = rowsum(dout * (out + o_lo))`` in fp32 (``rowsum(dout * out)`` without
-    o_lo). Returns contiguous ``dq [T, H, d_qk]`` in q's dtype and ``dkv [S, d_qk]`` in kv's
+    empty). The kernel backends (and ``emulate``) form ``dpsum = rowsum(dout * (out + o_lo))``
+    in fp32 (``rowsum(dout * out)`` without o_lo); ``reference`` recomputes P and uses the
+    textbook ``rowsum(P * dP)``, reading none of out, lse, o_lo. Returns contiguous ``dq [T, H, d_qk]`` in q's dtype and ``dkv [S, d_qk]`` in kv's
     dtype (fp32 accumulation; empty slots never written).
 
 ``supports(dtype, direction, T, H, S, d_qk, d_v) -> tuple[bool, str]`` (optional)

@@ -27,9 +27,14 @@ directly). Where the max is still ``-inf`` (no valid slot seen yet) the exponent
 0 instead, as FA4's ``row_max_safe`` does, so ``p = exp2(-inf) = 0`` and no NaN arises; a row with
 no valid slot at all ends with ``row_sum = 0``, ``out = 0`` and ``lse = -inf``.
 
-Empty slots (index < 0, index >= S, or position >= ``topk_length[t]``) are redirected to row 0
-before the gather (never an out-of-range read) and masked to ``-inf``. Tokens and heads are
-vectorised; tokens are processed in chunks to bound memory.
+Empty slots (index < 0, index >= S, or position >= ``topk_length[t]``, and the padding up to a
+multiple of ``block_n``) are never read: they are redirected to row 0 before the gather (never an
+out-of-range read), the gathered row is replaced by zeros (as a kernel's zero-filled copy; no
+value of row 0, NaN included, reaches the output) and their score is ``-inf``.
+
+Non-finite scores: a NaN or +inf score (a NaN or inf in q or in a row a valid slot names) makes
+the row sum NaN; that row's out and lse are NaN (not the ``-inf`` of an empty row). Tokens and
+heads are vectorised; tokens are processed in chunks to bound memory.
 """
 
 from __future__ import annotations
@@ -88,12 +93,15 @@ def forward(
             kernel uses 128).
 
     Raises:
-        ValueError: if ``block_n < 1`` or ``rescale_threshold < 0``.
+        ValueError: if ``block_n < 1``, or ``rescale_threshold`` is negative, NaN or inf (the op
+            checks it before, with the bound for the dtype).
     """
     if block_n < 1:
         raise ValueError(f"block_n must be >= 1, got {block_n}")
-    if rescale_threshold < 0:
-        raise ValueError(f"rescale_threshold must be >= 0 (log2 units), got {rescale_threshold}")
+    if not 0.0 <= rescale_threshold < math.inf:
+        raise ValueError(
+            f"rescale_threshold must be finite and >= 0 (log2 units), got {rescale_threshold}"
+        )
     T, H, d_qk = q.shape
     S = kv.shape[0]
     out = q.new_zeros((T, H, d_v))
@@ -115,7 +123,8 @@ def forward(
         for b in reversed(range(n_blocks)):
             cols = slice(b * block_n, (b + 1) * block_n)
             idx_b, valid_b = safe[t0:t1, cols], valid[t0:t1, cols]
-            rows = kv.index_select(0, idx_b.reshape(-1)).reshape(t1 - t0, block_n, d_qk).float()
+            rows = kv.index_select(0, idx_b.reshape(-1)).reshape(t1 - t0, block_n, d_qk)
+            rows = torch.where(valid_b[..., None], rows.float(), 0.0)  # empty slots: never read
             s = torch.bmm(q_c, rows.transpose(1, 2)) * scale_log2
             s.masked_fill_(~valid_b[:, None, :], -math.inf)
             m_cand = torch.maximum(m, s.amax(dim=-1))
@@ -133,13 +142,17 @@ def forward(
         inv = torch.where(has_rows, 1.0 / row_sum, 0.0)
         o = acc * inv[..., None]
         out[t0:t1] = o.to(q.dtype)
-        lse[t0:t1] = torch.where(has_rows, (m + torch.log2(row_sum)) * _LN2, -math.inf)
+        lse[t0:t1] = torch.where(row_sum == 0, -math.inf, (m + torch.log2(row_sum)) * _LN2)
         if return_o_lo:
             o_lo[t0:t1] = (o - out[t0:t1].float()).to(q.dtype)
     return out, lse, o_lo
 
 
 def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
-    """The reference backward (:func:`mla_inductor.kernels.reference.backward`): the emulator
-    models the forward's rounding only; the backward consumes its ``out``, ``lse`` and ``o_lo``."""
-    return reference.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
+    """The kernels' backward arithmetic where it differs from the textbook: ``dpsum`` is formed
+    from the forward's output, ``rowsum(dout * (out + o_lo))`` in fp32 (``rowsum(dout * out)``
+    when ``o_lo`` is empty), as the SM90 and SM100 kernels form it; the rest is
+    :func:`mla_inductor.kernels.reference.gradients` (P recomputed from the scores in fp32)."""
+    o_full = out.float() + o_lo.float() if o_lo.numel() else out.float()
+    dpsum = (dout.float() * o_full).sum(-1)  # [T, H]
+    return reference.gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum)

@@ -1,0 +1,95 @@
+"""The layouts :func:`mla_inductor.sparse_mla` accepts, flattened to the canonical one of the ops,
+and the outputs shaped back.
+
+Accepted: ``q [T, H, d_qk]`` with ``kv [S, d_qk]`` or ``[S, 1, d_qk]`` and ``indices [T, topk]``
+or ``[T, 1, topk]``; batched ``q [B, T, H, d_qk]`` with ``kv [B, S, (1,) d_qk]``, ``indices
+[B, T, (1,) topk]`` (local to each batch element) and ``topk_length [B, T]``. Canonical (what
+``sparse_mla_fwd`` takes): ``q [B*T, H, d_qk]``, ``kv [B*S, d_qk]``, ``indices [B*T, topk]``
+int32 with per-batch row offsets, ``topk_length [B*T]`` int32.
+
+This runs inside the entry op's decomposition (:mod:`mla_inductor.custom_ops`): its checks
+raise while Dynamo propagates FakeTensors through the entry op, and its few ops (offsets, the
+invalid-slot mask, casts) land in the traced graph, where inductor fuses them into the kernel
+that produces the op's inputs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from .validation import check_batched_inputs
+
+
+class Flat(NamedTuple):
+    """The canonical inputs, and ``(B, T)`` of a batched call (``None`` for an unbatched one)."""
+
+    q: Tensor
+    kv: Tensor
+    indices: Tensor
+    topk_length: Optional[Tensor]
+    batch: Optional[tuple]
+
+
+def _squeeze_heads(t: Tensor, rank: int, what: str) -> Tensor:
+    """``[.., 1, D]`` -> ``[.., D]`` for kv and indices; any other rank passes through unchanged
+    so that the checks report it."""
+    if t.dim() != rank + 1:
+        return t
+    torch._check(
+        t.shape[-2] == 1,
+        lambda: f"sparse_mla: {what} must have a head dimension of 1 (MQA: one latent row and one "
+        f"index set per token, shared by all query heads), got shape {tuple(t.shape)}; a batched "
+        "kv or indices needs a batched q [B, T, H, d_qk]",
+    )
+    return t.squeeze(-2)
+
+
+def _mask_invalid(indices: Tensor, S) -> Tensor:
+    """Invalid slots -> -1 before any cast or offset: an int64 index >= 2**31 must not wrap into
+    a valid row, and a batch element's index >= S must not land in the next element."""
+    return torch.where((indices >= 0) & (indices < S), indices, -1)
+
+
+def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor]) -> Flat:
+    """The canonical inputs of a call in any accepted layout (module docstring). int64 indices
+    become int32 after their invalid slots are mapped to -1; an int64 ``topk_length`` is clamped
+    to ``[0, topk]`` and cast to int32.
+
+    Raises:
+        RuntimeError: for a batched call whose layout does not match
+            (:func:`mla_inductor.validation.check_batched_inputs`), or a head dimension of kv or
+            indices other than 1. Everything else is checked by the ops on the result.
+    """
+    batched = q.dim() == 4
+    rank = 3 if batched else 2
+    kv = _squeeze_heads(kv, rank, "kv")
+    indices = _squeeze_heads(indices, rank, "indices")
+    batch = None
+    if batched:
+        check_batched_inputs(q, kv, indices, topk_length)
+        B, T, S = q.shape[0], q.shape[1], kv.shape[1]
+        offsets = (torch.arange(B, device=indices.device, dtype=indices.dtype) * S).view(B, 1, 1)
+        indices = _mask_invalid(indices, S)
+        indices = torch.where(indices >= 0, indices + offsets, -1).to(torch.int32)
+        q = q.reshape(B * T, q.shape[2], q.shape[3])
+        kv = kv.reshape(B * S, kv.shape[2])
+        indices = indices.reshape(B * T, indices.shape[-1])
+        if topk_length is not None:
+            topk_length = topk_length.reshape(B * T)
+        batch = (B, T)
+    elif indices.dtype == torch.int64 and kv.dim() == 2:
+        indices = _mask_invalid(indices, kv.shape[0]).to(torch.int32)
+    if topk_length is not None and topk_length.dtype == torch.int64:
+        topk_length = topk_length.clamp(0, indices.shape[-1]).to(torch.int32)
+    return Flat(q, kv, indices, topk_length, batch)
+
+
+def unflatten(out: Tensor, lse: Tensor, batch: Optional[tuple]) -> tuple[Tensor, Tensor]:
+    """``out [B*T, H, d_v]`` and ``lse [B*T, H]`` as ``[B, T, H, d_v]`` and ``[B, T, H]`` for a
+    batched call (``batch = (B, T)``), unchanged otherwise."""
+    if batch is None:
+        return out, lse
+    return out.view(*batch, *out.shape[1:]), lse.view(*batch, lse.shape[-1])
