@@ -136,7 +136,8 @@ def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims) -> Mod
 def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) -> ModuleType:
     """The backend module that runs ``direction`` (``"forward"`` or ``"backward"``).
 
-    ``dims = (T, H, S, d_qk, d_v)`` lets ``auto`` skip a kernel backend that does not support the
+    ``dims = (T, H, S, d_qk, d_v, features)`` (features: a frozenset of ``causal``, ``sink``,
+    ``max_logits``, ``dlse``) lets ``auto`` skip a kernel backend that does not support the
     problem (its ``supports()`` says why) in favour of the reference; a forced backend raises.
     Every such fallback of ``auto`` on a CUDA device warns (see the module docstring).
 

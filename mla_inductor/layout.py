@@ -3,9 +3,12 @@ and the outputs shaped back.
 
 Accepted: ``q [T, H, d_qk]`` with ``kv [S, d_qk]`` or ``[S, 1, d_qk]`` and ``indices [T, topk]``
 or ``[T, 1, topk]``; batched ``q [B, T, H, d_qk]`` with ``kv [B, S, (1,) d_qk]``, ``indices
-[B, T, (1,) topk]`` (local to each batch element) and ``topk_length [B, T]``. Canonical (what
-``sparse_mla_fwd`` takes): ``q [B*T, H, d_qk]``, ``kv [B*S, d_qk]``, ``indices [B*T, topk]``
-int32 with per-batch row offsets, ``topk_length [B*T]`` int32.
+[B, T, (1,) topk]`` (local to each batch element), ``topk_length [B, T]`` and ``q_positions
+[B, T]`` or ``[T]``. Canonical (what ``sparse_mla_fwd`` takes): ``q [B*T, H, d_qk]``,
+``kv [B*S, d_qk]``, ``indices [B*T, topk]`` int32 with per-batch row offsets, ``topk_length
+[B*T]`` int32 and, for a causal call, ``q_positions [B*T]`` int32 with the same offsets (the
+default position of token t is ``S - T + t`` within its batch element: bottom-right aligned, as
+flash-attn's causal mask when T <= S).
 
 This runs inside the entry op's decomposition (:mod:`mla_inductor.custom_ops`): its checks
 raise while Dynamo propagates FakeTensors through the entry op, and its few ops (offsets, the
@@ -30,6 +33,7 @@ class Flat(NamedTuple):
     kv: Tensor
     indices: Tensor
     topk_length: Optional[Tensor]
+    q_positions: Optional[Tensor]
     batch: Optional[tuple]
 
 
@@ -53,17 +57,43 @@ def _mask_invalid(indices: Tensor, S) -> Tensor:
     return torch.where((indices >= 0) & (indices < S), indices, -1)
 
 
-def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor]) -> Flat:
+def _positions(q: Tensor, kv: Tensor, q_positions: Optional[Tensor], batched: bool) -> Tensor:
+    """Token positions ``[B, T]`` (batched) or ``[T]``, int64, clamped to ``[-1, S]`` (so that an
+    int64 position cannot wrap in int32, and offsets cannot reach another batch element): the
+    given ones, else ``S - T + t``."""
+    T = q.shape[1] if batched else q.shape[0]
+    S = kv.shape[-2] if batched else kv.shape[0]
+    if q_positions is None:
+        return torch.arange(T, device=q.device, dtype=torch.int64) + (S - T)
+    torch._check(
+        not q_positions.is_floating_point() and not q_positions.is_complex()
+        and q_positions.dtype != torch.bool,
+        lambda: f"sparse_mla: q_positions must be an integer tensor (int32 or int64), got "
+        f"{q_positions.dtype}",
+    )
+    return q_positions.to(torch.int64).clamp(-1, S)
+
+
+def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor],
+            causal: bool = False, q_positions: Optional[Tensor] = None) -> Flat:
     """The canonical inputs of a call in any accepted layout (module docstring). int64 indices
     become int32 after their invalid slots are mapped to -1; an int64 ``topk_length`` is clamped
-    to ``[0, topk]`` and cast to int32.
+    to ``[0, topk]`` and cast to int32; with ``causal``, the positions (``q_positions`` or the
+    bottom-right default) become int32 global positions.
 
     Raises:
         RuntimeError: for a batched call whose layout does not match
-            (:func:`mla_inductor.validation.check_batched_inputs`), or a head dimension of kv or
-            indices other than 1. Everything else is checked by the ops on the result.
+            (:func:`mla_inductor.validation.check_batched_inputs`), a head dimension of kv or
+            indices other than 1, or ``q_positions`` without ``causal`` or of a non-integer
+            dtype. Everything else is checked by the ops on the result.
     """
+    torch._check(
+        causal or q_positions is None,
+        lambda: "sparse_mla: q_positions is only read with causal=True (it gives each token's "
+        "position for the causal mask); pass causal=True or drop q_positions",
+    )
     batched = q.dim() == 4
+    positions = _positions(q, kv, q_positions, batched) if causal and q.dim() in (3, 4) else None
     rank = 3 if batched else 2
     kv = _squeeze_heads(kv, rank, "kv")
     indices = _squeeze_heads(indices, rank, "indices")
@@ -79,17 +109,31 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
         indices = indices.reshape(B * T, indices.shape[-1])
         if topk_length is not None:
             topk_length = topk_length.reshape(B * T)
+        if positions is not None:
+            torch._check(
+                positions.dim() in (1, 2) and positions.shape[-1] == T
+                and (positions.dim() == 1 or positions.shape[0] == B),
+                lambda: f"sparse_mla: batched q_positions must be [B, T] = [{B}, {T}] or [T], "
+                f"got shape {tuple(positions.shape)}",
+            )
+            offsets = torch.arange(B, device=positions.device, dtype=torch.int64).view(B, 1) * S
+            positions = (positions.expand(B, T) + offsets).reshape(B * T)
         batch = (B, T)
     elif indices.dtype == torch.int64 and kv.dim() == 2:
         indices = _mask_invalid(indices, kv.shape[0]).to(torch.int32)
     if topk_length is not None and topk_length.dtype == torch.int64:
         topk_length = topk_length.clamp(0, indices.shape[-1]).to(torch.int32)
-    return Flat(q, kv, indices, topk_length, batch)
+    if positions is not None:
+        positions = positions.to(torch.int32)
+    return Flat(q, kv, indices, topk_length, positions, batch)
 
 
-def unflatten(out: Tensor, lse: Tensor, batch: Optional[tuple]) -> tuple[Tensor, Tensor]:
-    """``out [B*T, H, d_v]`` and ``lse [B*T, H]`` as ``[B, T, H, d_v]`` and ``[B, T, H]`` for a
-    batched call (``batch = (B, T)``), unchanged otherwise."""
+def unflatten(out: Tensor, lse: Tensor, max_logits: Tensor, batch: Optional[tuple]):
+    """``out [B*T, H, d_v]``, ``lse [B*T, H]`` and ``max_logits [B*T, H]`` (or empty) as
+    ``[B, T, H, d_v]``, ``[B, T, H]`` and ``[B, T, H]`` for a batched call (``batch = (B, T)``),
+    unchanged otherwise."""
     if batch is None:
-        return out, lse
-    return out.view(*batch, *out.shape[1:]), lse.view(*batch, lse.shape[-1])
+        return out, lse, max_logits
+    if max_logits.dim() == 2:  # requested (else an empty [0])
+        max_logits = max_logits.view(*batch, max_logits.shape[-1])
+    return out.view(*batch, *out.shape[1:]), lse.view(*batch, lse.shape[-1]), max_logits

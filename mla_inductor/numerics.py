@@ -408,13 +408,14 @@ def order_table(
             step(n, f"{backend}, {name} max ({threshold}), {order.replace('_', ' ')}: forward, "
                     "backward without and with o_lo")
             with use_backend(backend):
-                out, lse_k, o_lo = ops.sparse_mla_fwd(
-                    q, kv, idx, None, sm_scale, d_v, threshold, True
+                out, lse_k, o_lo, _ = ops.sparse_mla_fwd(
+                    q, kv, idx, None, None, None, sm_scale, d_v, threshold, True, False
                 )
                 grads = {
                     key: ops.sparse_mla_bwd(
-                        dout, q, kv, idx, None, out, lse_k, residual, sm_scale, d_v
-                    )
+                        dout, None, q, kv, idx, None, None, None, out, lse_k, residual, sm_scale,
+                        d_v,
+                    )[:2]
                     for key, residual in (("no_o_lo", o_lo.new_empty(0)), ("o_lo", o_lo))
                 }
             outs[order] = out

@@ -39,18 +39,22 @@ class Decision(NamedTuple):
     reason: str
 
 
-def decide(q: torch.Tensor, kv: torch.Tensor, rescale_threshold: Optional[float]) -> Decision:
+def decide(q: torch.Tensor, kv: torch.Tensor, rescale_threshold: Optional[float],
+           attn_sink: Optional[torch.Tensor] = None) -> Decision:
     """Resolves the forward's ``rescale_threshold`` (log2 units) for one call or one capture.
 
     Args:
         q, kv: the attention inputs (real, fake or functional tensors).
         rescale_threshold: an explicit value to respect, or ``None`` for the policy.
+        attn_sink: the optional sink logits; one that requires grad also means a backward.
 
     Returns:
         The threshold, whether a backward will consume the forward (the forward then also
         writes ``o_lo``), and the reason in words.
     """
-    needs_backward = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
+    needs_backward = torch.is_grad_enabled() and (
+        q.requires_grad or kv.requires_grad or (attn_sink is not None and attn_sink.requires_grad)
+    )
     if rescale_threshold is not None:
         decision = Decision(float(rescale_threshold), needs_backward, "explicit rescale_threshold")
         if needs_backward and decision.rescale_threshold != EXACT:

@@ -94,6 +94,39 @@ def check_forward_inputs(
         )
 
 
+def check_features(
+    q: torch.Tensor,
+    q_positions: Optional[torch.Tensor],
+    attn_sink: Optional[torch.Tensor],
+) -> None:
+    """Checks the canonical ``q_positions [T]`` int32 and ``attn_sink [H]`` float32 (each
+    optional) against ``q [T, H, d_qk]``.
+
+    Raises:
+        RuntimeError: a wrong shape, dtype or device.
+    """
+    if q_positions is not None:
+        _check(
+            q_positions.dim() == 1 and q_positions.shape[0] == q.shape[0],
+            f"q_positions must be [T] = [{q.shape[0]}] (batched: [B, T]), got shape "
+            f"{tuple(q_positions.shape)}",
+        )
+        _check(
+            q_positions.dtype == torch.int32,
+            f"q_positions must be int32 (the sparse_mla API also takes int64), got "
+            f"{q_positions.dtype}",
+        )
+        _check(q_positions.device == q.device, f"q_positions on {q_positions.device}, q on {q.device}")
+    if attn_sink is not None:
+        _check(
+            attn_sink.dim() == 1 and attn_sink.shape[0] == q.shape[1],
+            f"attn_sink must be [H] = [{q.shape[1]}] (one logit per head), got shape "
+            f"{tuple(attn_sink.shape)}",
+        )
+        _check(attn_sink.dtype == torch.float32, f"attn_sink must be float32, got {attn_sink.dtype}")
+        _check(attn_sink.device == q.device, f"attn_sink on {attn_sink.device}, q on {q.device}")
+
+
 def check_backward_inputs(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -130,6 +163,20 @@ def check_backward_inputs(
         o_lo.numel() == 0 or (o_lo.dim() == 3 and o_lo.shape == expected),
         f"o_lo must be empty or [T, H, d_v] = {expected}, got shape {tuple(o_lo.shape)}",
     )
+
+
+def check_dlse(dlse: Optional[torch.Tensor], lse: torch.Tensor) -> None:
+    """Checks the backward's optional ``dlse``: float32, lse's shape.
+
+    Raises:
+        RuntimeError: a wrong shape or dtype.
+    """
+    if dlse is not None:
+        _check(
+            dlse.shape == lse.shape and dlse.dtype == torch.float32,
+            f"dlse must be float32 {tuple(lse.shape)} (lse's shape), got {dlse.dtype} "
+            f"{tuple(dlse.shape)}",
+        )
 
 
 def check_rescale_threshold(rescale_threshold: float, dtype: torch.dtype) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import random_inputs
@@ -18,20 +20,33 @@ UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_a
 
 @pytest.mark.parametrize("grad", ["none", "q_and_kv", "kv_only"])
 @pytest.mark.parametrize("with_topk_length", [False, True])
-def test_opcheck_forward(grad, with_topk_length):
+@pytest.mark.parametrize("features", ["none", "causal_sink_max_logits"])
+def test_opcheck_forward(grad, with_topk_length, features):
     q, kv, idx = random_inputs(6, 4, 32, 12, 5, dtype=torch.float32, invalid_frac=0.2)
     q.requires_grad_(grad == "q_and_kv")
     kv.requires_grad_(grad != "none")
     lengths = torch.tensor([5, 0, 3, 5, 1, 4], dtype=torch.int32) if with_topk_length else None
+    pos = sink = None
+    if features != "none":
+        pos = torch.tensor([3, -1, 11, 6, 0, 9], dtype=torch.int32)
+        sink = torch.tensor([0.5, -math.inf, 2.0, -1.0]).requires_grad_(grad != "none")
     for return_o_lo in (False, True):
-        torch.library.opcheck(fwd, (q, kv, idx, lengths, 0.2, 16, 0.0, return_o_lo), test_utils=UTILS)
+        args = (q, kv, idx, lengths, pos, sink, 0.2, 16, 0.0, return_o_lo, features != "none")
+        torch.library.opcheck(fwd, args, test_utils=UTILS)
 
 
-def test_opcheck_backward():
+@pytest.mark.parametrize("features", ["none", "causal_sink_dlse"])
+def test_opcheck_backward(features):
     q, kv, idx = random_inputs(6, 4, 32, 12, 5, dtype=torch.float32, invalid_frac=0.2)
+    pos = sink = dlse = None
+    if features != "none":
+        pos = torch.tensor([3, -1, 11, 6, 0, 9], dtype=torch.int32)
+        sink = torch.tensor([0.5, -math.inf, 2.0, -1.0])
+        dlse = torch.randn(6, 4)
     for return_o_lo in (False, True):
-        out, lse, o_lo = fwd(q, kv, idx, None, 0.2, 16, 0.0, return_o_lo)
-        torch.library.opcheck(bwd, (torch.randn_like(out), q, kv, idx, None, out, lse, o_lo, 0.2, 16), test_utils=UTILS)
+        out, lse, o_lo, _ = fwd(q, kv, idx, None, pos, sink, 0.2, 16, 0.0, return_o_lo, False)
+        args = (torch.randn_like(out), dlse, q, kv, idx, None, pos, sink, out, lse, o_lo, 0.2, 16)
+        torch.library.opcheck(bwd, args, test_utils=UTILS)
 
 
 class TinyAttention(torch.nn.Module):
@@ -110,7 +125,7 @@ def test_inductor_fuses_producers_and_calls_the_ops_directly():
     call = code[code.index("def call(") :]
     FileCheck().check_count("cpp_fused", 1, exactly=True).check(
         "torch.ops.mla_inductor.sparse_mla_fwd.default(buf"
-    ).check_same("8.0, False)").run(call)
+    ).check_same("8.0, False, False)").run(call)
 
 
 def test_explicit_fallback_works_without_implicit_fallbacks():

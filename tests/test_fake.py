@@ -28,12 +28,16 @@ def _good(T=6, H=4, d_qk=32, S=10, topk=5, dtype=torch.bfloat16):
 @pytest.mark.parametrize("return_o_lo", [False, True])
 def test_fake_outputs_match_real_metadata(return_o_lo, dtype):
     q, kv, idx = _good(dtype=dtype)
-    real = fwd(q, kv, idx, None, 0.2, 16, 0.0, return_o_lo)
-    dreal = bwd(torch.randn_like(real[0]), q, kv, idx, None, *real, 0.2, 16)
+    pos = torch.arange(6, dtype=torch.int32) + 4
+    sink = torch.randn(4)
+    real = fwd(q, kv, idx, None, pos, sink, 0.2, 16, 0.0, return_o_lo, True)
+    dreal = bwd(torch.randn_like(real[0]), torch.randn(6, 4), q, kv, idx, None, pos, sink,
+                *real[:3], 0.2, 16)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fq, fkv, fidx = (mode.from_tensor(t) for t in (q, kv, idx))
-        fake = fwd(fq, fkv, fidx, None, 0.2, 16, 0.0, return_o_lo)
-        dfake = bwd(torch.empty_like(fake[0]), fq, fkv, fidx, None, *fake, 0.2, 16)
+        fq, fkv, fidx, fpos, fsink = (mode.from_tensor(t) for t in (q, kv, idx, pos, sink))
+        fake = fwd(fq, fkv, fidx, None, fpos, fsink, 0.2, 16, 0.0, return_o_lo, True)
+        dfake = bwd(torch.empty_like(fake[0]), torch.empty(6, 4), fq, fkv, fidx, None, fpos,
+                    fsink, *fake[:3], 0.2, 16)
     for r, f in zip(real + dreal, fake + dfake):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
     assert fake[2].shape == ((6, 4, 16) if return_o_lo else (0,))
@@ -112,12 +116,23 @@ def test_fake_kernel_checks_the_op_directly():
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fq, fkv = mode.from_tensor(q), mode.from_tensor(kv)
         with pytest.raises(RuntimeError, match="indices must be an integer tensor"):
-            fwd(fq, fkv, mode.from_tensor(idx.long()), None, 0.1, 16, 0.0, False)
+            fwd(fq, fkv, mode.from_tensor(idx.long()), None, None, None, 0.1, 16, 0.0, False, False)
+        with pytest.raises(RuntimeError, match=r"attn_sink must be \[H\] = \[4\]"):
+            fwd(fq, fkv, mode.from_tensor(idx), None, None, torch.zeros(3), 0.1, 16, 0.0, False,
+                False)
+        with pytest.raises(RuntimeError, match="q_positions must be int32"):
+            fwd(fq, fkv, mode.from_tensor(idx), None, torch.zeros(6, dtype=torch.int64), None, 0.1,
+                16, 0.0, False, False)
         with pytest.raises(RuntimeError, match="lse must be float32"):
             out = torch.empty(6, 4, 16, dtype=torch.bfloat16)
             lse = torch.empty(6, 4, dtype=torch.bfloat16)
-            bwd(out, fq, fkv, mode.from_tensor(idx), None, out, lse, torch.empty(0), 0.1, 16)
+            bwd(out, None, fq, fkv, mode.from_tensor(idx), None, None, None, out, lse,
+                torch.empty(0), 0.1, 16)
+        with pytest.raises(RuntimeError, match="dlse must be float32"):
+            out = torch.empty(6, 4, 16, dtype=torch.bfloat16)
+            bwd(out, torch.empty(6, 5), fq, fkv, mode.from_tensor(idx), None, None, None, out,
+                torch.empty(6, 4), torch.empty(0, dtype=torch.bfloat16), 0.1, 16)
         with pytest.raises(RuntimeError, match="o_lo must be empty or"):
             out = torch.empty(6, 4, 16, dtype=torch.bfloat16)
-            bwd(out, fq, fkv, mode.from_tensor(idx), None, out, torch.empty(6, 4),
+            bwd(out, None, fq, fkv, mode.from_tensor(idx), None, None, None, out, torch.empty(6, 4),
                 torch.empty(6, 4, 3, dtype=torch.bfloat16), 0.1, 16)

@@ -37,8 +37,9 @@ def _forward(backend, q, kv, indices, topk_length=None, *, threshold, return_o_l
     dev = backend_device(backend)
     tl = None if topk_length is None else topk_length.to(dev)
     with mla_inductor.use_backend(backend):
-        out, lse, o_lo = torch.ops.mla_inductor.sparse_mla_fwd(
-            q.to(dev), kv.to(dev), indices.to(dev), tl, SM_SCALE, D_V, threshold, return_o_lo
+        out, lse, o_lo, _ = torch.ops.mla_inductor.sparse_mla_fwd(
+            q.to(dev), kv.to(dev), indices.to(dev), tl, None, None, SM_SCALE, D_V, threshold,
+            return_o_lo, False,
         )
     return out.cpu(), lse.cpu(), o_lo.cpu()
 
@@ -47,8 +48,8 @@ def _backward(backend, dout, q, kv, indices, out, lse, o_lo, topk_length=None):
     dev = backend_device(backend)
     tl = None if topk_length is None else topk_length.to(dev)
     with mla_inductor.use_backend(backend):
-        dq, dkv = torch.ops.mla_inductor.sparse_mla_bwd(
-            *(t.to(dev) for t in (dout, q, kv, indices)), tl,
+        dq, dkv, _ = torch.ops.mla_inductor.sparse_mla_bwd(
+            dout.to(dev), None, *(t.to(dev) for t in (q, kv, indices)), tl, None, None,
             *(t.to(dev) for t in (out, lse, o_lo)), SM_SCALE, D_V,
         )
     return dq.cpu(), dkv.cpu()
@@ -236,21 +237,23 @@ def _two_key_problem():
 )
 def test_emulator_running_max_rule(threshold, expected):
     q, kv, idx = _two_key_problem()
-    out, lse, o_lo = emulate.forward(q, kv, idx, None, math.log(2), 1, threshold, True, block_n=1)
+    out, lse, o_lo, _ = emulate.forward(q, kv, idx, None, None, None, math.log(2), 1, threshold,
+                                        True, False, block_n=1)
     assert (out.float() + o_lo.float()).item() == pytest.approx(expected, rel=2**-16)
     assert lse.item() == pytest.approx(math.log(1 + 2**0.5), rel=1e-6)  # lse is exact either way
     # Dominant key processed first: p0 = 1 exactly whatever the threshold.
     first = N.self_last(idx)
-    out, _, o_lo = emulate.forward(q, kv, first, None, math.log(2), 1, threshold, True, block_n=1)
+    out, _, o_lo, _ = emulate.forward(q, kv, first, None, None, None, math.log(2), 1, threshold,
+                                      True, False, block_n=1)
     assert (out.float() + o_lo.float()).item() == pytest.approx(1.0 / (1 + 2**-0.5), rel=2**-16)
 
 
 def test_emulator_rejects_bad_configuration():
     q, kv, idx = _two_key_problem()
     with pytest.raises(ValueError, match="block_n"):
-        emulate.forward(q, kv, idx, None, 1.0, 1, 0.0, False, block_n=0)
+        emulate.forward(q, kv, idx, None, None, None, 1.0, 1, 0.0, False, False, block_n=0)
     with pytest.raises(ValueError, match="rescale_threshold"):
-        emulate.forward(q, kv, idx, None, 1.0, 1, -1.0, False)
+        emulate.forward(q, kv, idx, None, None, None, 1.0, 1, -1.0, False, False)
 
 
 # ----------------------------------------------------------------------------- backends vs fp64

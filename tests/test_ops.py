@@ -217,14 +217,22 @@ def test_reference_chunking_is_invisible(monkeypatch):
     from mla_inductor.kernels import reference
 
     q, kv, idx = random_inputs(9, 4, 32, 20, 7, dtype=torch.bfloat16, invalid_frac=0.3)
-    args = (q, kv, idx, None, 0.2, 16)
-    one = reference.forward(*args, 0.0, True)
-    grads = reference.backward(torch.ones_like(one[0]), q, kv, idx, None, *one, 0.2, 16)
+    pos = torch.arange(9, dtype=torch.int32) + 8
+    sink = torch.tensor([0.5, -1.0, 2.0, -math.inf])
+    dlse = torch.randn(9, 4)
+    args = (q, kv, idx, None, pos, sink, 0.2, 16)
+
+    def run():
+        fwd = reference.forward(*args, 0.0, True, True)
+        bwd = reference.backward(torch.ones_like(fwd[0]), dlse, q, kv, idx, None, pos, sink,
+                                 *fwd[:3], 0.2, 16)
+        return fwd + bwd
+
+    one = run()
     monkeypatch.setattr(reference, "_CHUNK_ELEMENTS", 1)  # one token per chunk
-    many = reference.forward(*args, 0.0, True)
-    many_grads = reference.backward(torch.ones_like(one[0]), q, kv, idx, None, *many, 0.2, 16)
-    for a, b in zip(one + grads, many + many_grads):
-        assert torch.equal(a, b)
+    many = run()
+    for a, b in zip(one, many):
+        torch.testing.assert_close(a, b, rtol=0, atol=0 if a.dim() > 1 else 1e-6)
 
 
 def test_int64_topk_length_is_accepted():

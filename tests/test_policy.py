@@ -26,9 +26,11 @@ def seen(monkeypatch):
     calls = []
     real = reference.forward
 
-    def spy(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo):
+    def spy(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, rescale_threshold,
+            return_o_lo, return_max_logits):
         calls.append(rescale_threshold)
-        return real(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo)
+        return real(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v,
+                    rescale_threshold, return_o_lo, return_max_logits)
 
     monkeypatch.setattr(reference, "forward", spy)
     torch._dynamo.reset()

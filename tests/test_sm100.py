@@ -53,6 +53,14 @@ def test_gather_indices_marks_every_empty_slot_and_pads_to_128():
             assert gather[0, t, j].item() == (i if valid else -1), (t, j)
 
 
+def test_gather_indices_drop_future_keys_of_a_causal_call():
+    indices = torch.tensor([[0, 3, 4, 9, -1] + [2] * 123, [7] * 128], dtype=torch.int32)
+    positions = torch.tensor([3, -1], dtype=torch.int32)
+    gather = sm100._gather_indices(indices, None, 10, positions)
+    assert gather[0, 0, :6].tolist() == [0, 3, -1, -1, -1, 2]
+    assert (gather[0, 1] == -1).all()  # position -1: every key is in the future
+
+
 def test_gather_indices_without_topk_length_keeps_multiple_of_128():
     indices = torch.tensor([[0, 5, -1] + [1] * 125], dtype=torch.int32)
     gather = sm100._gather_indices(indices, None, 5)
@@ -162,7 +170,8 @@ def test_forward_kernel_is_fa4s_own(training, H):
         q = torch.empty(T, H, D_QK, **like)
         kv = torch.empty(S, D_QK, **like)
         idx = torch.empty(T, topk, dtype=torch.int32, device="cuda")
-        sm100.forward(q, kv, idx, None, D_QK**-0.5, D_V, 0.0 if training else 8.0, training)
+        sm100.forward(q, kv, idx, None, None, None, D_QK**-0.5, D_V, 0.0 if training else 8.0,
+                      training, False)
         q4 = q.unsqueeze(0).requires_grad_(training)
         kv4 = kv.view(1, S, 1, D_QK).requires_grad_(training)
         fa4._flash_attn_fwd(
@@ -213,19 +222,21 @@ def test_host_path_on_fake_cuda_matches_the_op_fake_kernel(
     args = (scale, D_V, threshold, return_o_lo)
     with sm100.cross_compile("sm_100a"):
         q, kv, indices, topk_length = _fake_inputs(T, H, d_qk, S, topk, with_topk_length)
-        got = sm100.forward(q, kv, indices, topk_length, *args)
-        want = torch.ops.mla_inductor.sparse_mla_fwd(q, kv, indices, topk_length, *args)
+        got = sm100.forward(q, kv, indices, topk_length, None, None, *args, False)
+        want = torch.ops.mla_inductor.sparse_mla_fwd(q, kv, indices, topk_length, None, None,
+                                                     *args, False)
         assert [_meta(t) for t in got] == [_meta(t) for t in want]
         assert got[2].shape == ((T, H, D_V) if return_o_lo else (0,))
         if return_o_lo:
-            out, lse, o_lo = got
+            out, lse, o_lo, _ = got
             dout = torch.empty_like(out)
-            dgot = sm100.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, scale, D_V)
+            dgot = sm100.backward(dout, None, q, kv, indices, topk_length, None, None, out, lse,
+                                  o_lo, scale, D_V)
             dwant = torch.ops.mla_inductor.sparse_mla_bwd(
-                dout, q, kv, indices, topk_length, out, lse, o_lo, scale, D_V
+                dout, None, q, kv, indices, topk_length, None, None, out, lse, o_lo, scale, D_V
             )
-            assert [_meta(t) for t in dgot] == [_meta(t) for t in dwant]
-            assert [t.is_contiguous() for t in dgot] == [True, True]
+            assert [_meta(t) for t in dgot[:2]] == [_meta(t) for t in dwant[:2]]
+            assert [t.is_contiguous() for t in dgot[:2]] == [True, True] and dgot[2] is None
     fwd_keys = [k[2:7] for k in sm100._forward_cache().cache]
     assert (H, -(-topk // 128) * 128, d_qk > D_V, threshold, return_o_lo) in fwd_keys
 
@@ -235,15 +246,20 @@ def test_unsupported_shapes_raise_clear_errors():
     kv = torch.empty(5, 256, dtype=torch.bfloat16)
     idx = torch.zeros(2, 8, dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="d_v = 512"):
-        sm100.forward(q, kv, idx, None, 0.1, 128, 0.0, False)
+        sm100.forward(q, kv, idx, None, None, None, 0.1, 128, 0.0, False, False)
     q = torch.empty(2, 129, D_QK, dtype=torch.bfloat16)
     kv = torch.empty(5, D_QK, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="1 to 128 heads"):
-        sm100.forward(q, kv, idx, None, 0.1, D_V, 0.0, False)
+        sm100.forward(q, kv, idx, None, None, None, 0.1, D_V, 0.0, False, False)
     q = torch.empty(2, 4, D_QK, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="bf16-only"):
-        sm100.backward(q[..., :D_V], q, kv.half(), idx, None, q[..., :D_V], q[..., 0].float(),
-                       q.new_empty(0, dtype=torch.float32), 0.1, D_V)  # fmt: skip
+        sm100.backward(q[..., :D_V], None, q, kv.half(), idx, None, None, None, q[..., :D_V],
+                       q[..., 0].float(), q.new_empty(0), 0.1, D_V)  # fmt: skip
+    q = torch.empty(2, 4, D_QK, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="attention sink is not mapped"):
+        sm100.forward(q, kv, idx, None, None, torch.zeros(4), 0.1, D_V, 0.0, False, False)
+    with pytest.raises(NotImplementedError, match="max_logits is not mapped"):
+        sm100.forward(q, kv, idx, None, None, None, 0.1, D_V, 0.0, False, True)
 
 
 def test_supports_refuses_token_counts_fa4_counts_in_32_bits():
@@ -259,13 +275,15 @@ def test_empty_problems_return_zeros_without_a_kernel():
     q = torch.randn(3, 4, D_QK, dtype=torch.bfloat16)
     no_kv = torch.empty(0, D_QK, dtype=torch.bfloat16)
     idx = torch.zeros(3, 8, dtype=torch.int32)
-    out, lse, o_lo = sm100.forward(q, no_kv, idx, None, 0.1, D_V, 0.0, True)
+    out, lse, o_lo, _ = sm100.forward(q, no_kv, idx, None, None, None, 0.1, D_V, 0.0, True, False)
     assert torch.equal(out, torch.zeros(3, 4, D_V, dtype=torch.bfloat16))
     assert torch.equal(lse, torch.full((3, 4), -math.inf))
     assert torch.equal(o_lo, torch.zeros(3, 4, D_V, dtype=torch.bfloat16))
-    dq, dkv = sm100.backward(out, q, no_kv, idx, None, out, lse, o_lo, 0.1, D_V)
+    dq, dkv, _ = sm100.backward(out, None, q, no_kv, idx, None, None, None, out, lse, o_lo, 0.1,
+                                D_V)
     assert torch.equal(dq, torch.zeros_like(q)) and dkv.shape == (0, D_QK)
-    out, lse, o_lo = sm100.forward(q[:0], no_kv, idx[:0], None, 0.1, D_V, 8.0, False)
+    out, lse, o_lo, _ = sm100.forward(q[:0], no_kv, idx[:0], None, None, None, 0.1, D_V, 8.0,
+                                      False, False)
     assert out.shape == (0, 4, D_V) and lse.shape == (0, 4) and o_lo.shape == (0,)
 
 
@@ -315,7 +333,8 @@ def test_forward_values_on_sm100(T, H, threshold, return_o_lo):
     S, topk = 333, 200
     q, kv, indices, topk_length = _gpu_inputs(T, H, S, topk)
     scale = D_QK**-0.5
-    out, lse, o_lo = sm100.forward(q, kv, indices, topk_length, scale, D_V, threshold, return_o_lo)
+    out, lse, o_lo, _ = sm100.forward(q, kv, indices, topk_length, None, None, scale, D_V,
+                                      threshold, return_o_lo, False)
     ref_out, ref_lse = reference_sparse_mla_fp64(q, kv, indices, topk_length, scale, D_V)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert rel_l2(out, ref_out) < 1e-2
@@ -338,9 +357,11 @@ def test_backward_values_on_sm100(H):
     T, S, topk = 96, 333, 200
     q, kv, indices, topk_length = _gpu_inputs(T, H, S, topk, seed=1)
     scale = D_QK**-0.5
-    out, lse, o_lo = sm100.forward(q, kv, indices, topk_length, scale, D_V, 0.0, True)
+    out, lse, o_lo, _ = sm100.forward(q, kv, indices, topk_length, None, None, scale, D_V, 0.0,
+                                      True, False)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to("cuda", out.dtype)
-    dq, dkv = sm100.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, scale, D_V)
+    dq, dkv, _ = sm100.backward(dout, None, q, kv, indices, topk_length, None, None, out, lse,
+                                o_lo, scale, D_V)
     q64 = q.double().requires_grad_()
     kv64 = kv.double().requires_grad_()
     ref_out, _ = reference_sparse_mla_fp64(q64, kv64, indices, topk_length, scale, D_V)

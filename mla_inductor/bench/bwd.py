@@ -84,7 +84,8 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
         line += f" | cuDNN {cudnn_ms:8.3f} ms {flops / cudnn_ms / 1e9:7.1f} TFLOPS " \
                 f"(ours/cuDNN {cudnn_ms / ms:.2f}x, gradients agree to rel-L2 {agree:.1e})"
     if with_reference:
-        ref_ms = time_ms(lambda: reference.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v))
+        ref_ms = time_ms(lambda: reference.backward(dout, None, q, kv, idx, None, None, None, out,
+                                                    lse, o_lo, sm_scale, d_v))
         line += f" | reference {ref_ms:9.3f} ms {flops / ref_ms / 1e9:6.1f} TFLOPS"
     print(line, flush=True)
 

@@ -80,7 +80,8 @@ def bench_fwd(Ts, Hs, topk, patterns=PATTERNS, protocol="sustained", kv_per_toke
                 indices = make_indices(T, S, topk, pattern, gen)
                 fns = {
                     mode: (lambda thr=thr, o_lo=o_lo:
-                           sm90.forward(q, kv, indices, None, sm_scale, D_V, thr, o_lo))
+                           sm90.forward(q, kv, indices, None, None, None, sm_scale, D_V, thr,
+                                        o_lo, False))
                     for mode, (thr, o_lo) in MODES.items()
                 }
                 if flashmla is not None and H in (64, 128):

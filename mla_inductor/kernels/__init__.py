@@ -7,28 +7,39 @@ backends:
 ``available() -> tuple[bool, str]``
     Whether the backend can run here; the string says what is missing when it cannot.
 
-``forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo)
--> (out, lse, o_lo)``
+``forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v,
+rescale_threshold, return_o_lo, return_max_logits) -> (out, lse, o_lo, max_logits)``
     ``q [T, H, d_qk]`` (bf16/fp16; fp32 on the reference path), last dim contiguous;
     ``kv [S, d_qk]`` same dtype, last dim contiguous; ``indices [T, topk]`` int32 contiguous
     (any value < 0 or >= S is an empty slot); ``topk_length [T]`` int32 or ``None`` (slots at
-    positions >= topk_length[t] are empty). ``sm_scale`` float, ``d_v <= d_qk`` int,
-    ``rescale_threshold`` float in log2 units (0.0 = exact running max), ``return_o_lo`` bool.
-    Returns contiguous ``out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` float32 natural log
-    (-inf for a row with no valid slot, whose out is 0) and ``o_lo = float32(O) - out`` rounded
-    to q's dtype, ``[T, H, d_v]``, when ``return_o_lo`` else ``q.new_empty(0)``. (The residual
-    is about 2**-9 of ``out`` in bf16 and its own rounding about 2**-9 of the residual, so
-    ``out + o_lo`` carries O to about 2**-17.)
+    positions >= topk_length[t] are empty); ``q_positions [T]`` int32 or ``None`` (causal: a
+    slot whose index is greater than ``q_positions[t]`` is empty); ``attn_sink [H]`` float32 or
+    ``None`` (one logit per head, natural-log units, in the softmax denominator, no value).
+    ``sm_scale`` float, ``d_v <= d_qk`` int, ``rescale_threshold`` float in log2 units (0.0 =
+    exact running max), ``return_o_lo`` and ``return_max_logits`` bool.
+    Returns contiguous ``out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` float32 natural log,
+    the sink included (a row with no valid slot: out 0, lse = its head's sink, -inf without
+    one), ``o_lo = float32(O) - out`` rounded to q's dtype, ``[T, H, d_v]``, when
+    ``return_o_lo`` else ``q.new_empty(0)`` (the residual is about 2**-9 of ``out`` in bf16 and
+    its own rounding about 2**-9 of the residual, so ``out + o_lo`` carries O to about 2**-17),
+    and ``max_logits [T, H]`` float32 (the maximum of ``sm_scale * q.k`` over the valid slots,
+    -inf for none; the true maximum under any threshold) when ``return_max_logits`` else an
+    empty float32 tensor.
 
-``backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v) -> (dq, dkv)``
-    ``dout [T, H, d_v]``, ``out``/``lse``/``o_lo`` as returned by ``forward`` (``o_lo`` may be
-    empty). The kernel backends (and ``emulate``) form ``dpsum = rowsum(dout * (out + o_lo))``
-    in fp32 (``rowsum(dout * out)`` without o_lo); ``reference`` recomputes P and uses the
-    textbook ``rowsum(P * dP)``, reading none of out, lse, o_lo. Returns contiguous ``dq [T, H, d_qk]`` in q's dtype and ``dkv [S, d_qk]`` in kv's
-    dtype (fp32 accumulation; empty slots never written).
+``backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
+sm_scale, d_v) -> (dq, dkv, d_sink)``
+    ``dout [T, H, d_v]``, ``dlse [T, H]`` float32 or ``None`` (the gradient reaching lse),
+    the rest as the forward's arguments and outputs (``o_lo`` may be empty). The kernel backends
+    (and ``emulate``) form ``dpsum = rowsum(dout * (out + o_lo))`` in fp32 (``rowsum(dout *
+    out)`` without o_lo); ``reference`` recomputes P and uses the textbook ``rowsum(P * dP)``,
+    reading none of out, lse, o_lo. ``dS = P (dP - dpsum + dlse)``. Returns contiguous
+    ``dq [T, H, d_qk]`` in q's dtype, ``dkv [S, d_qk]`` in kv's dtype (fp32 accumulation; empty
+    slots never written) and ``d_sink [H]`` float32 ``= -sum_t P_sink (dpsum - dlse)`` with a
+    sink, else ``None``.
 
-``supports(dtype, direction, T, H, S, d_qk, d_v) -> tuple[bool, str]`` (optional)
-    Whether the backend handles this problem; ``auto`` falls back to the reference when not,
+``supports(dtype, direction, T, H, S, d_qk, d_v, features) -> tuple[bool, str]`` (optional)
+    Whether the backend handles this problem (``features``: a frozenset of ``"causal"``,
+    ``"sink"``, ``"max_logits"``, ``"dlse"``); ``auto`` falls back to the reference when not,
     a forced backend raises the reason.
 
 ``precompile(arch, **static_config)`` (GPU backends only)

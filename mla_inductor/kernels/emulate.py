@@ -20,7 +20,11 @@ rounding behaviour can be measured and tested on a CPU (see :mod:`mla_inductor.n
    ``p`` is rounded to q's dtype (the P·V MMA operand) and ``O = O * acc_scale + p · V`` is
    accumulated in fp32.
 5. ``out = O * (1 / row_sum)`` rounded to q's dtype; ``lse = (m + log2(row_sum)) * ln(2)``
-   (natural log); ``o_lo = float32(O / row_sum) - out`` rounded to q's dtype.
+   (natural log); ``o_lo = float32(O / row_sum) - out`` rounded to q's dtype. An attention sink
+   joins the denominator at the end, as the SM90 kernel adds it in its epilogue: with
+   ``s2 = sink * log2(e)`` and ``m_e = max(m, s2)``, ``row_sum = row_sum * exp2(m - m_e) +
+   exp2(s2 - m_e)`` and O is scaled by ``exp2(m - m_e)``. ``max_logits`` is the true maximum of
+   the valid scores, tracked apart from the (possibly stale) running max.
 
 Initial running max: ``-inf`` (FlashMLA starts at ``-1e30``, FA4 sets the first block's max
 directly). Where the max is still ``-inf`` (no valid slot seen yet) the exponent is taken against
@@ -58,15 +62,16 @@ def available() -> tuple[bool, str]:
 
 
 def _valid_padded(
-    indices: torch.Tensor, topk_length: Optional[torch.Tensor], S: int, block_n: int
+    indices: torch.Tensor,
+    topk_length: Optional[torch.Tensor],
+    q_positions: Optional[torch.Tensor],
+    S: int,
+    block_n: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices with empty slots redirected to row 0 and the validity mask, both padded with empty
     slots up to a multiple of ``block_n``: ``([T, n_blocks * block_n] int64, same shape bool)``."""
-    T, topk = indices.shape
-    pos = torch.arange(topk, device=indices.device)
-    valid = (indices >= 0) & (indices < S)
-    if topk_length is not None:
-        valid &= pos < topk_length[:, None]
+    topk = indices.shape[1]
+    valid = reference.valid_slots(indices, topk_length, S, q_positions)
     pad = -topk % block_n
     valid = torch.nn.functional.pad(valid, (0, pad), value=False)
     safe = torch.nn.functional.pad(indices.long(), (0, pad), value=0)
@@ -78,13 +83,16 @@ def forward(
     kv: torch.Tensor,
     indices: torch.Tensor,
     topk_length: Optional[torch.Tensor],
+    q_positions: Optional[torch.Tensor],
+    attn_sink: Optional[torch.Tensor],
     sm_scale: float,
     d_v: int,
     rescale_threshold: float,
     return_o_lo: bool,
+    return_max_logits: bool,
     *,
     block_n: int = BLOCK_N,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel-faithful sparse-MLA forward; see the module docstring for the arithmetic and
     :mod:`mla_inductor.kernels` for the protocol (shapes, dtypes, outputs).
 
@@ -107,9 +115,13 @@ def forward(
     out = q.new_zeros((T, H, d_v))
     lse = q.new_full((T, H), -math.inf, dtype=torch.float32)
     o_lo = q.new_zeros((T, H, d_v) if return_o_lo else (0,))
+    max_logits = q.new_full((T, H) if return_max_logits else (0,), -math.inf, dtype=torch.float32)
+    sink2 = None if attn_sink is None else attn_sink.float() * _LOG2E  # [H], log2 units
     if S == 0 or T == 0:
-        return out, lse, o_lo
-    safe, valid = _valid_padded(indices, topk_length, S, block_n)
+        if attn_sink is not None:
+            lse.copy_(attn_sink.float().expand(T, H))
+        return out, lse, o_lo, max_logits
+    safe, valid = _valid_padded(indices, topk_length, q_positions, S, block_n)
     n_blocks = safe.shape[1] // block_n
     scale_log2 = sm_scale * _LOG2E
     per_token = H * (d_v + 3 * block_n) + block_n * d_qk
@@ -120,6 +132,7 @@ def forward(
         m = q_c.new_full((t1 - t0, H), -math.inf)
         row_sum = q_c.new_zeros((t1 - t0, H))
         acc = q_c.new_zeros((t1 - t0, H, d_v))
+        true_max = q_c.new_full((t1 - t0, H), -math.inf)
         for b in reversed(range(n_blocks)):
             cols = slice(b * block_n, (b + 1) * block_n)
             idx_b, valid_b = safe[t0:t1, cols], valid[t0:t1, cols]
@@ -127,6 +140,7 @@ def forward(
             rows = torch.where(valid_b[..., None], rows.float(), 0.0)  # empty slots: never read
             s = torch.bmm(q_c, rows.transpose(1, 2)) * scale_log2
             s.masked_fill_(~valid_b[:, None, :], -math.inf)
+            true_max = torch.maximum(true_max, s.amax(dim=-1))
             m_cand = torch.maximum(m, s.amax(dim=-1))
             # NaN (both -inf) compares False: the max stays -inf.
             moved = (m_cand - m) > rescale_threshold
@@ -138,21 +152,33 @@ def forward(
             p_lp = p.to(q.dtype).float()
             acc = acc * acc_scale[..., None] + torch.bmm(p_lp, rows[..., :d_v])
             m = m_new
+        scale = torch.ones_like(row_sum)
+        if sink2 is not None:
+            m_e = torch.maximum(m, sink2)
+            m_e_safe = torch.where(m_e == -math.inf, 0.0, m_e)
+            scale = torch.exp2(m - m_e_safe)
+            row_sum = row_sum * scale + torch.exp2(sink2 - m_e_safe)
+            m = m_e
         has_rows = row_sum > 0
-        inv = torch.where(has_rows, 1.0 / row_sum, 0.0)
+        inv = torch.where(has_rows, scale / row_sum, 0.0)
         o = acc * inv[..., None]
         out[t0:t1] = o.to(q.dtype)
         lse[t0:t1] = torch.where(row_sum == 0, -math.inf, (m + torch.log2(row_sum)) * _LN2)
         if return_o_lo:
             o_lo[t0:t1] = (o - out[t0:t1].float()).to(q.dtype)
-    return out, lse, o_lo
+        if return_max_logits:
+            max_logits[t0:t1] = true_max * _LN2
+    return out, lse, o_lo, max_logits
 
 
-def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
+def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
+             sm_scale, d_v):
     """The kernels' backward arithmetic where it differs from the textbook: ``dpsum`` is formed
     from the forward's output, ``rowsum(dout * (out + o_lo))`` in fp32 (``rowsum(dout * out)``
     when ``o_lo`` is empty), as the SM90 and SM100 kernels form it; the rest is
-    :func:`mla_inductor.kernels.reference.gradients` (P recomputed from the scores in fp32)."""
+    :func:`mla_inductor.kernels.reference.gradients` (P recomputed from the scores in fp32,
+    ``dpsum - dlse`` for the gradient through lse, the sink's gradient)."""
     o_full = out.float() + o_lo.float() if o_lo.numel() else out.float()
     dpsum = (dout.float() * o_full).sum(-1)  # [T, H]
-    return reference.gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum)
+    return reference.gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum,
+                               q_positions=q_positions, attn_sink=attn_sink, dlse=dlse)

@@ -12,8 +12,14 @@ Empty slots (index < 0, index >= S, or position >= ``topk_length[t]``) are never
 index is redirected to row 0 (never an out-of-range address) and the gathered row is replaced by
 zeros, so no value of row 0 (NaN included) reaches a score, an output or a gradient; their score
 is -inf and their gradient is never scattered. A row with no valid slot gets out = 0,
-lse = -inf and zero gradients. A NaN or +inf score (from a NaN or inf in q or in a row a valid
-slot names) propagates: that row's out and lse are NaN.
+lse = -inf (its head's sink with an attention sink) and zero gradients. A NaN or +inf score (from
+a NaN or inf in q or in a row a valid slot names) propagates: that row's out and lse are NaN.
+
+DSA features: causal positions (a slot naming a key past ``q_positions[t]`` is empty), an
+attention sink (one logit per head in the softmax denominator, no value:
+``lse = log(exp(sink) + sum_j exp(s_j))``), ``max_logits`` (the maximum valid score, the sink
+not included) and a gradient reaching lse (``dS_j = P_j (dP_j - dpsum + dlse)``,
+``d_sink = -sum_t P_sink (dpsum - dlse)``).
 """
 
 from __future__ import annotations
@@ -39,15 +45,24 @@ def _chunks(T: int, topk: int, d_qk: int, heads: int):
 
 
 def valid_slots(
-    indices: torch.Tensor, topk_length: Optional[torch.Tensor], S: int
+    indices: torch.Tensor,
+    topk_length: Optional[torch.Tensor],
+    S: int,
+    q_positions: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Boolean mask ``[T, topk]`` of the slots that hold a row (``0 <= index < S`` and position
-    ``< topk_length[t]`` when given)."""
+    """Boolean mask ``[T, topk]`` of the slots that hold a row (``0 <= index < S``, position
+    ``< topk_length[t]`` when given, and ``index <= q_positions[t]`` when given)."""
     valid = (indices >= 0) & (indices < S)
     if topk_length is not None:
         pos = torch.arange(indices.shape[-1], device=indices.device)
         valid &= pos < topk_length[..., None]
+    if q_positions is not None:
+        valid &= indices <= q_positions[..., None]
     return valid
+
+
+def _chunk(t: Optional[torch.Tensor], t0: int, t1: int) -> Optional[torch.Tensor]:
+    return None if t is None else t[t0:t1]
 
 
 def _gather(kv: torch.Tensor, indices: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -63,19 +78,30 @@ def _scores(q_c, rows, valid, sm_scale):
     return s.masked_fill(~valid[:, None, :], -math.inf)
 
 
-def _softmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(p, lse)`` of scores ``s [c, H, topk]``: ``p = exp(s - max) / sum`` (0 on rows whose
-    scores are all -inf) and ``lse = max + log(sum)`` ``[c, H]`` (-inf on those rows; NaN where a
-    score is NaN or +inf)."""
+def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor] = None):
+    """``(p, lse, p_sink)`` of scores ``s [c, H, topk]`` and an optional sink ``[H]``:
+    ``p = exp(s - m) / total`` with ``m`` the row max (the sink included) and ``total`` the sum
+    of ``exp(s - m)`` and ``exp(sink - m)``; 0 on rows whose scores (and sink) are all -inf.
+    ``lse = m + log(total)`` ``[c, H]`` (-inf on those rows; NaN where a score is NaN or +inf);
+    ``p_sink [c, H]`` the sink's probability (None without a sink)."""
     m = s.amax(dim=-1, keepdim=True)
+    if sink is not None:
+        sink = sink.float().view(1, -1, 1)
+        m = torch.maximum(m, sink)
     m = torch.where(m == -math.inf, 0.0, m)
     e = torch.exp(s - m)
     total = e.sum(dim=-1, keepdim=True)
-    p = e / torch.where(total == 0, 1.0, total)
-    return p, (m + torch.log(total)).squeeze(-1)
+    e_sink = None
+    if sink is not None:
+        e_sink = torch.exp(sink - m)
+        total = total + e_sink
+    safe = torch.where(total == 0, 1.0, total)
+    p_sink = None if sink is None else (e_sink / safe).squeeze(-1)
+    return e / safe, (m + torch.log(total)).squeeze(-1), p_sink
 
 
-def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo):
+def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, rescale_threshold,
+            return_o_lo, return_max_logits):
     """Reference forward; see the backend protocol in :mod:`mla_inductor.kernels`.
 
     ``rescale_threshold`` does not change the arithmetic here: the softmax always uses the exact
@@ -83,28 +109,32 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
     """
     T, H, d_qk = q.shape
     S = kv.shape[0]
-    out = q.new_empty((T, H, d_v))
-    lse = q.new_empty((T, H), dtype=torch.float32)
-    o_lo = q.new_empty((T, H, d_v) if return_o_lo else (0,))
-    if S == 0:
-        out.zero_()
-        lse.fill_(-math.inf)
-        o_lo.zero_()
-        return out, lse, o_lo
+    out = q.new_zeros((T, H, d_v))
+    lse = q.new_full((T, H), -math.inf, dtype=torch.float32)
+    o_lo = q.new_zeros((T, H, d_v) if return_o_lo else (0,))
+    max_logits = q.new_full((T, H) if return_max_logits else (0,), -math.inf, dtype=torch.float32)
+    if S == 0 or indices.shape[1] == 0:
+        if attn_sink is not None:
+            lse.copy_(attn_sink.float().expand(T, H))
+        return out, lse, o_lo, max_logits
     for t0, t1 in _chunks(T, indices.shape[1], d_qk, H):
-        valid = valid_slots(indices[t0:t1], None if topk_length is None else topk_length[t0:t1], S)
+        valid = valid_slots(indices[t0:t1], _chunk(topk_length, t0, t1), S,
+                            _chunk(q_positions, t0, t1))
         rows = _gather(kv, indices[t0:t1], valid)
         s = _scores(q[t0:t1], rows, valid, sm_scale)
-        p, lse_c = _softmax(s)
+        p, lse_c, _ = _softmax(s, attn_sink)
         o = torch.bmm(p, rows[..., :d_v])
         out[t0:t1] = o.to(q.dtype)
         lse[t0:t1] = lse_c
         if return_o_lo:
             o_lo[t0:t1] = (o - out[t0:t1].float()).to(q.dtype)
-    return out, lse, o_lo
+        if return_max_logits:
+            max_logits[t0:t1] = s.amax(dim=-1)
+    return out, lse, o_lo, max_logits
 
 
-def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
+def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
+             sm_scale, d_v):
     """Reference backward; see the backend protocol in :mod:`mla_inductor.kernels`.
 
     The textbook fp32 gradients of the softmax (:func:`gradients` with ``dpsum = None``): P is
@@ -114,40 +144,52 @@ def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
     ``dP`` of the dominant key on peaked rows (the kernels' form, see
     :func:`mla_inductor.kernels.emulate.backward`).
     """
-    return gradients(dout, q, kv, indices, topk_length, sm_scale, d_v)
+    return gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, q_positions=q_positions,
+                     attn_sink=attn_sink, dlse=dlse)
 
 
-def gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum=None):
-    """``(dq, dkv)`` for the upstream gradient ``dout [T, H, d_v]``, with P recomputed from the
-    scores in fp32 and ``dS = P * (dP - dpsum) * sm_scale``.
+def gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum=None, *, q_positions=None,
+              attn_sink=None, dlse=None):
+    """``(dq, dkv, d_sink)`` for the upstream gradients ``dout [T, H, d_v]`` and ``dlse [T, H]``
+    (float32 or None), with P recomputed from the scores in fp32 and
+    ``dS = P * (dP - dpsum + dlse) * sm_scale``.
 
     Args:
         dpsum: ``[T, H]`` float32, the row sums ``rowsum(dout * O)`` as a kernel forms them; or
             ``None`` for ``rowsum(P * dP)`` from the recomputed P (the textbook form).
+        q_positions, attn_sink: as the forward's (``[T]`` int32, ``[H]`` float32, or None).
 
     Returns:
-        ``dq [T, H, d_qk]`` in q's dtype and ``dkv [S, d_qk]`` in kv's dtype; dkv is accumulated
-        in fp32 with ``index_add_`` over the valid slots only (duplicated indices accumulate
-        once per occurrence; rows no valid slot names get exact zeros).
+        ``dq [T, H, d_qk]`` in q's dtype, ``dkv [S, d_qk]`` in kv's dtype (accumulated in fp32
+        with ``index_add_`` over the valid slots only: duplicated indices accumulate once per
+        occurrence; rows no valid slot names get exact zeros) and, with a sink, ``d_sink [H]``
+        float32 ``= -sum_t P_sink (dpsum - dlse)`` (else None).
     """
     T, H, d_qk = q.shape
     S = kv.shape[0]
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
     dkv_acc = torch.zeros((S, d_qk), dtype=torch.float32, device=kv.device)
-    if S == 0 or T == 0:
-        return dq, dkv_acc.to(kv.dtype)
+    d_sink = None if attn_sink is None else torch.zeros(H, dtype=torch.float32, device=q.device)
+    if S == 0 or T == 0 or indices.shape[1] == 0:
+        if d_sink is not None and dlse is not None:  # lse = sink on every row
+            d_sink += dlse.float().sum(0)
+        return dq, dkv_acc.to(kv.dtype), d_sink
     for t0, t1 in _chunks(T, indices.shape[1], d_qk, H):
         idx = indices[t0:t1]
-        valid = valid_slots(idx, None if topk_length is None else topk_length[t0:t1], S)
+        valid = valid_slots(idx, _chunk(topk_length, t0, t1), S, _chunk(q_positions, t0, t1))
         rows = _gather(kv, idx, valid)
         s = _scores(q[t0:t1], rows, valid, sm_scale)
-        p, _ = _softmax(s)  # exactly 0 on empty slots
+        p, _, p_sink = _softmax(s, attn_sink)  # p exactly 0 on empty slots
         do = dout[t0:t1].float()
         dp = torch.bmm(do, rows[..., :d_v].transpose(1, 2))
         dpsum_c = (p * dp).sum(-1) if dpsum is None else dpsum[t0:t1]
+        if dlse is not None:
+            dpsum_c = dpsum_c - dlse[t0:t1].float()
         ds = p * (dp - dpsum_c[..., None]) * sm_scale
         dq[t0:t1] = torch.bmm(ds, rows).to(q.dtype)
         drows = torch.bmm(ds.transpose(1, 2), q[t0:t1].float())  # [c, topk, d_qk]
         drows[..., :d_v] += torch.bmm(p.transpose(1, 2), do)
         dkv_acc.index_add_(0, idx[valid].long(), drows[valid])
-    return dq, dkv_acc.to(kv.dtype)
+        if d_sink is not None:
+            d_sink -= (p_sink * dpsum_c).sum(0)
+    return dq, dkv_acc.to(kv.dtype), d_sink

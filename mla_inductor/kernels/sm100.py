@@ -90,7 +90,10 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def supports(dtype, direction, T, H, S, d_qk, d_v) -> tuple[bool, str]:
+UNMAPPED_FEATURES = frozenset({"sink", "max_logits", "dlse"})
+
+
+def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tuple[bool, str]:
     """Whether FA4 has kernels for this problem (``auto`` falls back to the reference if not).
 
     Sizes: every global offset in FA4 4.0.0b36's sparse-MLA kernels is 64-bit (its tensors have
@@ -110,12 +113,29 @@ def supports(dtype, direction, T, H, S, d_qk, d_v) -> tuple[bool, str]:
         return False, f"sm100 backend (FlashAttention-4): supports 1 to {MAX_HEADS} heads, got {H}"
     if direction == "backward" and d_qk > D_LATENT and dtype != torch.bfloat16:
         return False, "sm100 backend (FlashAttention-4): the backward with a RoPE part needs bfloat16"
+    unmapped = sorted(UNMAPPED_FEATURES & set(features))
+    if unmapped:
+        return False, (
+            f"sm100 backend (FlashAttention-4): {', '.join(unmapped)} not mapped to FA4's sparse-MLA "
+            "kernels by this adapter (causal masking is)"
+        )
     if T > MAX_TOKENS:
         return False, (
             f"sm100 backend (FlashAttention-4): at most {MAX_TOKENS} tokens (its kernels count "
             f"packed head-tile rows, 128 per token, in 32 bits), got T = {T}"
         )
     return True, ""
+
+
+def _check_features(sink: bool, max_logits: bool, dlse: bool) -> None:
+    """Raises NotImplementedError naming the first of these features the adapter does not map."""
+    for name, used in (("an attention sink", sink), ("max_logits", max_logits),
+                       ("a gradient through lse", dlse)):
+        if used:
+            raise NotImplementedError(
+                f"sm100 backend (FlashAttention-4): {name} is not mapped to FA4's sparse-MLA "
+                "kernels by this adapter; use the reference backend (auto does)"
+            )
 
 
 def _check_supported(q: Tensor, kv: Tensor, d_v: int) -> bool:
@@ -156,16 +176,19 @@ def _split_kv(kv: Tensor, has_rope: bool) -> tuple[Tensor, Optional[Tensor]]:
     return v, k_pe
 
 
-def _gather_indices(indices: Tensor, topk_length: Optional[Tensor], num_kv: int) -> Tensor:
-    """FA4's ``gather_kv_indices [1, T, topk_pad]`` int32: empty slots -1, topk padded to 128.
-
-    Device-side only (no host synchronisation).
+def _gather_indices(indices: Tensor, topk_length: Optional[Tensor], num_kv: int,
+                    q_positions: Optional[Tensor] = None) -> Tensor:
+    """FA4's ``gather_kv_indices [1, T, topk_pad]`` int32: empty slots -1 (out of range, past
+    ``topk_length``, or, with causal ``q_positions``, naming a key past the token's position),
+    topk padded to 128. Device-side only (no host synchronisation).
     """
     topk = indices.shape[1]
     valid = (indices >= 0) & (indices < num_kv)
     if topk_length is not None:
         position = torch.arange(topk, device=indices.device, dtype=torch.int32)
         valid &= position.unsqueeze(0) < topk_length.unsqueeze(1)
+    if q_positions is not None:
+        valid &= indices <= q_positions.unsqueeze(1)
     gather = torch.where(valid, indices, -1).to(torch.int32)
     pad = -topk % TOPK_MULTIPLE
     if pad:
@@ -276,21 +299,27 @@ def forward(
     kv: Tensor,
     indices: Tensor,
     topk_length: Optional[Tensor],
+    q_positions: Optional[Tensor],
+    attn_sink: Optional[Tensor],
     sm_scale: float,
     d_v: int,
     rescale_threshold: float,
     return_o_lo: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+    return_max_logits: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Sparse-MLA forward on FA4's SM100 kernel (shapes, semantics: :mod:`mla_inductor.kernels`).
 
     ``rescale_threshold`` (log2 units) and ``return_o_lo`` select the compiled kernel: the
     threshold is a compile-time constant of FA4's online softmax, and o_lo is an extra epilogue
-    output. Inside ``FakeTensorMode`` the kernel is compiled but not launched.
+    output. Causal positions become empty (-1) gather slots. Inside ``FakeTensorMode`` the kernel
+    is compiled but not launched.
 
     Raises:
-        NotImplementedError: d_v != 512, d_qk not 512 or 576, more than 128 heads, or a dtype
-            other than bf16/fp16.
+        NotImplementedError: d_v != 512, d_qk not 512 or 576, more than 128 heads, a dtype
+            other than bf16/fp16, an attention sink or max_logits (not mapped to FA4 here:
+            ``auto`` runs those on the reference, see :func:`supports`).
     """
+    _check_features(attn_sink is not None, return_max_logits, False)
     has_rope = _check_supported(q, kv, d_v)
     T, H, _ = q.shape
     S = kv.shape[0]
@@ -300,11 +329,11 @@ def forward(
         out.zero_()
         lse.fill_(float("-inf"))
         o_lo = q.new_zeros(T, H, d_v) if return_o_lo else q.new_empty(0)
-        return out, lse, o_lo
+        return out, lse, o_lo, q.new_empty(0, dtype=torch.float32)
     o_lo = torch.empty_like(out) if return_o_lo else q.new_empty(0)
     qv, q_pe = _split_q(q, has_rope)
     v, k_pe = _split_kv(kv, has_rope)
-    gather = _gather_indices(indices, topk_length, S)
+    gather = _gather_indices(indices, topk_length, S, q_positions)
     out4, lse3 = out.unsqueeze(0), lse.unsqueeze(0)
     o_lo4 = o_lo.unsqueeze(0) if return_o_lo else None
     kernel = _forward_kernel(
@@ -313,30 +342,34 @@ def forward(
     if not _fa4().is_fake_mode():
         kernel(q_pe, qv, k_pe, v, out4, lse3, sm_scale, None, None, None, None, None, None,
                gather, None, None, None, None, None, o_lo4)  # fmt: skip
-    return out, lse, o_lo
+    return out, lse, o_lo, q.new_empty(0, dtype=torch.float32)
 
 
 def backward(
     dout: Tensor,
+    dlse: Optional[Tensor],
     q: Tensor,
     kv: Tensor,
     indices: Tensor,
     topk_length: Optional[Tensor],
+    q_positions: Optional[Tensor],
+    attn_sink: Optional[Tensor],
     out: Tensor,
     lse: Tensor,
     o_lo: Tensor,
     sm_scale: float,
     d_v: int,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, None]:
     """Sparse-MLA backward on FA4's SM100 kernels (shapes, semantics: :mod:`mla_inductor.kernels`).
 
     ``dpsum = rowsum(dout * (out + o_lo))`` (o_lo in out's dtype, as FA4 stores it) or
     ``rowsum(dout * out)`` when o_lo is empty. dk/dv accumulate in fp32 inside FA4.
 
     Raises:
-        NotImplementedError: as :func:`forward`, and for fp16 with a RoPE part (FA4's dK_rope
-            kernel is bf16-only).
+        NotImplementedError: as :func:`forward`, for a gradient reaching lse, and for fp16 with
+            a RoPE part (FA4's dK_rope kernel is bf16-only).
     """
+    _check_features(attn_sink is not None, False, dlse is not None)
     has_rope = _check_supported(q, kv, d_v)
     if has_rope and q.dtype != torch.bfloat16:
         raise NotImplementedError(
@@ -346,10 +379,10 @@ def backward(
     T, H, d_qk = q.shape
     S = kv.shape[0]
     if T == 0 or S == 0:
-        return q.new_zeros(T, H, d_qk), kv.new_zeros(S, d_qk)
+        return q.new_zeros(T, H, d_qk), kv.new_zeros(S, d_qk), None
     qv, q_pe = _split_q(q, has_rope)
     v, k_pe = _split_kv(kv, has_rope)
-    gather = _gather_indices(indices, topk_length, S)
+    gather = _gather_indices(indices, topk_length, S, q_positions)
     o_lo4 = o_lo.unsqueeze(0) if o_lo.numel() else None
     with _fake_cuda_indexing() if _fa4().is_fake_mode() else contextlib.nullcontext():
         dq_pe, dk_pe, dv, dqv, _ = _fa4()._flash_attn_bwd_sparse_mla(
@@ -359,7 +392,7 @@ def backward(
     # Pack back in our column order: latent part first, RoPE part last.
     dq = torch.cat((dqv, dq_pe) if has_rope else (dqv,), dim=-1).reshape(T, H, d_qk)
     dkv = torch.cat((dv, dk_pe) if has_rope else (dv,), dim=-1).reshape(S, d_qk).to(kv.dtype)
-    return dq, dkv
+    return dq, dkv, None
 
 
 class _BasicIndexing(TorchFunctionMode):
@@ -491,12 +524,12 @@ def precompile(
                 q = torch.empty(tokens, h, d_qk, dtype=dtype, device="cuda")
                 indices = torch.empty(tokens, k, dtype=torch.int32, device="cuda")
                 for threshold, return_o_lo in modes:
-                    forward(q, kv, indices, None, scale, d_v, threshold, return_o_lo)
+                    forward(q, kv, indices, None, None, None, scale, d_v, threshold, return_o_lo, False)
             if compile_backward:
                 out = torch.empty(tokens, h, d_v, dtype=dtype, device="cuda")
                 lse = torch.empty(tokens, h, dtype=torch.float32, device="cuda")
                 o_lo = torch.empty(tokens, h, d_v, dtype=dtype, device="cuda")
-                backward(out, q, kv, indices, None, out, lse, o_lo, scale, d_v)
+                backward(out, None, q, kv, indices, None, None, None, out, lse, o_lo, scale, d_v)
     backward_caches = {
         "preprocess": fa4._bwd_preprocess.compile_cache,
         "main": fa4._flash_attn_bwd_sparse_mla.compile_cache,

@@ -23,10 +23,11 @@ def available() -> tuple[bool, str]:
 SUPPORTED_DIMS = ((576, 512), (512, 512))  # (d_qk, d_v)
 
 
-def supports(dtype, direction, T, H, S, d_qk, d_v) -> tuple[bool, str]:
+def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tuple[bool, str]:
     """Whether the kernels handle this problem (``auto`` falls back to the reference if not):
     bf16/fp16 and ``(d_qk, d_v)`` in :data:`SUPPORTED_DIMS`. Every T, S, H and topk is supported
-    (64-bit offsets wherever a product of sizes can pass 2**31), limited only by GPU memory."""
+    (64-bit offsets wherever a product of sizes can pass 2**31), limited only by GPU memory, and
+    every feature (``causal``, ``sink``, ``max_logits``, ``dlse``)."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False, f"sm90 kernels take bfloat16 or float16, got {dtype}"
     if (d_qk, d_v) not in SUPPORTED_DIMS:
@@ -34,11 +35,14 @@ def supports(dtype, direction, T, H, S, d_qk, d_v) -> tuple[bool, str]:
     return True, ""
 
 
-def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo):
+def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, rescale_threshold,
+            return_o_lo, return_max_logits):
     """See :func:`mla_inductor.kernels.sm90.fwd.forward`."""
     from . import fwd
 
-    return fwd.forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo)[:3]
+    return fwd.forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo,
+                       q_positions=q_positions, attn_sink=attn_sink,
+                       return_max_logits=return_max_logits)
 
 
 def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576, d_v: int = 512,
@@ -74,8 +78,10 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     return compiled
 
 
-def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
+def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
+             sm_scale, d_v):
     """See :func:`mla_inductor.kernels.sm90.bwd.backward`."""
     from . import bwd
 
-    return bwd.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)[:2]
+    return bwd.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v,
+                        q_positions=q_positions, attn_sink=attn_sink, dlse=dlse)
