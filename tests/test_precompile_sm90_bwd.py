@@ -21,7 +21,8 @@ def test_backward_compiles_for_sm90a(heads, d_qk, d_v, has_topk_length, has_o_lo
         topk_length=(has_topk_length,), o_lo=(has_o_lo,),
     )
     (key,) = compiled
-    assert key == ("bfloat16", heads, d_qk, d_v, has_topk_length, has_o_lo, "sm_90a")
+    assert key == ("bfloat16", heads, d_qk, d_v, has_topk_length, has_o_lo, False, False, False,
+                   "sm_90a")
     assert key == bwd.compile_key(torch.bfloat16, heads, d_qk, d_v, has_topk_length, has_o_lo)
     assert callable(compiled[key])
 

@@ -246,6 +246,15 @@ def test_unsupported_shapes_raise_clear_errors():
                        q.new_empty(0, dtype=torch.float32), 0.1, D_V)  # fmt: skip
 
 
+def test_supports_refuses_token_counts_fa4_counts_in_32_bits():
+    """FA4 counts a token's 128 head-tile rows in int32: T up to 2**24 - 1 runs, 2**24 falls
+    back (with the reason); the 64-bit offsets need no other size limit."""
+    for direction in ("forward", "backward"):
+        assert sm100.supports(torch.bfloat16, direction, 2**24 - 1, 128, 2**24, D_QK, D_V) == (True, "")
+        ok, why = sm100.supports(torch.bfloat16, direction, 2**24, 1, 8, D_QK, D_V)
+        assert not ok and "at most 16777215 tokens" in why
+
+
 def test_empty_problems_return_zeros_without_a_kernel():
     q = torch.randn(3, 4, D_QK, dtype=torch.bfloat16)
     no_kv = torch.empty(0, D_QK, dtype=torch.bfloat16)

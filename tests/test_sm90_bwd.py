@@ -73,7 +73,7 @@ def test_gradients_vs_fp64(T, H, d_qk, d_v, S, topk, with_len):
     q, kv, dout, indices, topk_length = _case(T, H, d_qk, d_v, S, topk, with_topk_length=with_len)
     sm_scale = d_qk**-0.5
     dq64, dkv64, out, lse, o_lo = _reference(q, kv, dout, indices, topk_length, sm_scale, d_v)
-    dq, dkv = bwd.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
+    dq, dkv, _ = bwd.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
     torch.cuda.synchronize()
     assert dq.dtype == q.dtype and dq.shape == q.shape
     assert dkv.dtype == kv.dtype and dkv.shape == kv.shape
@@ -108,8 +108,8 @@ def test_precise_dpsum_improves_dq():
     q, kv, dout, idx = (t.cuda() for t in (q, kv, dout, idx))
     sm_scale = d_qk**-0.5
     dq64, _, out, lse, o_lo = _reference(q, kv, dout, idx, None, sm_scale, d_v)
-    dq_lo, _ = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)
-    dq_no, _ = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo.new_empty(0), sm_scale, d_v)
+    dq_lo = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)[0]
+    dq_no = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo.new_empty(0), sm_scale, d_v)[0]
     e_lo, e_no = rel_l2(dq_lo, dq64), rel_l2(dq_no, dq64)
     print(f"dq rel-L2 with o_lo {e_lo:.3e}, without {e_no:.3e}")
     assert e_lo < e_no

@@ -18,7 +18,7 @@ import argparse
 import torch
 
 from ..kernels import reference
-from .problems import PATTERNS, add_shape_arguments, make_indices, require_sm90
+from .problems import KV_LENGTHS, add_shape_arguments, make_indices, require_sm90
 from .timing import PROTOCOLS, add_protocol_argument, time_ms
 
 
@@ -31,30 +31,42 @@ def _cudnn_backward():
     return sparse_attention_backward_wrapper
 
 
-def _rel_l2(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+def _rel_l2(a, b, rows=4096):
+    """Relative L2 distance of ``a`` from ``b`` in fp64, ``rows`` leading rows at a time (a
+    long-context dq in fp64 would not fit next to the problem)."""
+    diff = ref = 0.0
+    for r0 in range(0, a.shape[0], rows):
+        x, y = a[r0:r0 + rows].double(), b[r0:r0 + rows].double()
+        diff += (x - y).square().sum().item()
+        ref += y.square().sum().item()
+    return (diff / max(ref, 1e-300)) ** 0.5
 
 
-def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, protocol="sustained"):
-    """Prints one line: the sm90 backward's time (ms) and TFLOPS at ``T`` tokens, S = 2T, ``H``
-    heads, bf16, ``pattern`` indices (see :func:`mla_inductor.bench.problems.make_indices`),
-    next to cuDNN's (when importable) under the same ``protocol`` (a key of
+def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, protocol="sustained",
+              kv_per_token=2):
+    """Prints one line: the sm90 backward's time (ms) and TFLOPS at ``T`` tokens, S =
+    ``kv_per_token`` x T, ``H`` heads, bf16, ``pattern`` indices (see
+    :func:`mla_inductor.bench.problems.make_indices`), the same backward without o_lo (dpsum
+    from out alone: what reading o_lo costs), next to cuDNN's (when importable) under the same
+    ``protocol`` (a key of
     :data:`mla_inductor.bench.timing.PROTOCOLS`) and the reference backend's (sustained). Needs
     a CUDA device where the sm90 kernels run
     (:func:`mla_inductor.bench.problems.require_sm90`)."""
-    from ..kernels.sm90 import bwd
+    from ..kernels.sm90 import bwd, fwd
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    S = 2 * T
+    S = kv_per_token * T
     q = torch.randn(T, H, d_qk, device="cuda", generator=g).bfloat16()
     kv = torch.randn(S, d_qk, device="cuda", generator=g).bfloat16()
     dout = torch.randn(T, H, d_v, device="cuda", generator=g).bfloat16()
     idx = make_indices(T, S, topk, pattern, g)
     sm_scale = d_qk**-0.5
-    out, lse, o_lo = reference.forward(q, kv, idx, None, sm_scale, d_v, 0.0, True)
+    out, lse, o_lo, _ = fwd.forward(q, kv, idx, None, sm_scale, d_v, 0.0, True)
+    no_o_lo = o_lo.new_empty(0)
     flops = 2 * T * H * topk * (3 * d_qk + 2 * d_v)
-    fns = {"sm90": lambda: bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)}
+    fns = {"sm90": lambda: bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v),
+           "sm90, no o_lo": lambda: bwd.backward(dout, q, kv, idx, None, out, lse, no_o_lo,
+                                                 sm_scale, d_v)}
     cudnn_bwd = _cudnn_backward()
     if cudnn_bwd is not None:
         sink = torch.full((H,), float("-inf"), dtype=torch.float32, device="cuda")
@@ -62,10 +74,11 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
     times = PROTOCOLS[protocol](fns)
     ms = times["sm90"]
     line = f"T={T:6d} S={S:6d} H={H:4d} topk={topk} {pattern}: " \
-           f"sm90 {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOPS"
+           f"sm90 {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOPS " \
+           f"(without o_lo {flops / times['sm90, no o_lo'] / 1e9:7.1f})"
     if cudnn_bwd is not None:
         cudnn_ms = times["cudnn"]
-        ours, theirs = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v), \
+        ours, theirs = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)[:2], \
             cudnn_bwd(q, kv, out, dout, lse, sink, idx, softmax_scale=sm_scale)
         agree = max(_rel_l2(ours[0], theirs["dq"]), _rel_l2(ours[1], theirs["dkv"]))
         line += f" | cuDNN {cudnn_ms:8.3f} ms {flops / cudnn_ms / 1e9:7.1f} TFLOPS " \
@@ -91,7 +104,7 @@ def run(args: argparse.Namespace) -> None:
     require_sm90("backward")
     for T in args.T:
         for H in args.H:
-            for pattern in PATTERNS:
+            for pattern in args.indices:
                 bench_row(T, H, args.topk, pattern,
                           with_reference=not args.no_reference and T <= 4096,
-                          protocol=args.protocol)
+                          protocol=args.protocol, kv_per_token=KV_LENGTHS[args.S])

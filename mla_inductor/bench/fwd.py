@@ -1,9 +1,11 @@
-"""fwd: the SM90 forward kernel against a chunked PyTorch forward.
+"""fwd: the SM90 forward kernel against FlashMLA's and a chunked PyTorch forward.
 
-For every T x H x index pattern (``random``: uniform over the S = 2T keys; ``causal``: token t
-sits at position T + t and draws its keys from positions <= its own, its own key in slot 0) x
-mode (``exact`` = threshold 0.0, ``train`` = 0.0 with o_lo, ``lazy`` = 8.0), next to a chunked
-PyTorch implementation measured in the same run (at the smallest T only: it is slow).
+For every T x H x index pattern (``random``: uniform over the S keys, S = 2T or, with
+``--S T``, T; ``causal``: token t sits at position S - T + t and draws its keys from positions
+<= its own, its own key in slot 0) x mode (``exact`` = threshold 0.0, ``train`` = 0.0 with
+o_lo, ``lazy`` = 8.0), next to FlashMLA's SM90 forward (the anchor, when ``fmla_sm90`` is
+importable: H 64 and 128) and a chunked PyTorch implementation (at the smallest T, if <= 4096:
+it is slow), all measured in the same run.
 TFLOPS = 2·T·H·topk·(d_qk + d_v) / time; the three modes are timed in interleaved rounds
 (:func:`mla_inductor.bench.timing.time_ms_interleaved`: median over rounds of
 ``triton.testing.do_bench`` medians, CUDA events), or with ``--protocol cooled`` as FlashMLA's
@@ -19,7 +21,8 @@ import math
 
 import torch
 
-from .problems import D_QK, D_V, PATTERNS, add_shape_arguments, make_indices, require_sm90
+from .problems import (D_QK, D_V, KV_LENGTHS, PATTERNS, add_shape_arguments, make_indices,
+                       require_sm90)
 from .timing import PROTOCOLS, add_protocol_argument
 
 MODES = {"exact": (0.0, False), "train": (0.0, True), "lazy": (8.0, False)}
@@ -40,21 +43,34 @@ def torch_forward(q, kv, indices, sm_scale, d_v=D_V, chunk=256):
     return out
 
 
-def bench_fwd(Ts, Hs, topk, patterns=PATTERNS, protocol="sustained"):
-    """Prints the forward table (module docstring) for token counts ``Ts`` (S = 2T) and head
-    counts ``Hs`` at d_qk 576 / d_v 512, bf16, timed under ``protocol`` (a key of
-    :data:`mla_inductor.bench.timing.PROTOCOLS`). Exits with a message when sm90 cannot run here."""
+def _flashmla_forward():
+    """FlashMLA's SM90 sparse prefill forward (the ``fmla_sm90`` extension the GPU machine's
+    anchors provide), or None when it is not importable."""
+    try:
+        import fmla_sm90
+    except ImportError:
+        return None
+    return fmla_sm90.sparse_prefill_fwd
+
+
+def bench_fwd(Ts, Hs, topk, patterns=PATTERNS, protocol="sustained", kv_per_token=2):
+    """Prints the forward table (module docstring) for token counts ``Ts`` (S = ``kv_per_token``
+    x T) and head counts ``Hs`` at d_qk 576 / d_v 512, bf16, timed under ``protocol`` (a key of
+    :data:`mla_inductor.bench.timing.PROTOCOLS`), with FlashMLA's forward (H 64 or 128, when
+    ``fmla_sm90`` is importable) in the same interleaved rounds. Exits with a message when sm90
+    cannot run here."""
     from mla_inductor.kernels import sm90
 
     require_sm90("forward")
+    flashmla = _flashmla_forward()
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# sparse-MLA forward, {datetime.date.today()}, {torch.cuda.get_device_name()}, "
-          f"torch {torch.__version__}, d_qk {D_QK}, d_v {D_V}, topk {topk}, S = 2T, bf16, "
-          f"{protocol} timing")
-    print("| T | H | indices | mode | ms | TFLOPS | exact/lazy time |")
-    print("|---|---|---|---|---|---|---|")
+          f"torch {torch.__version__}, d_qk {D_QK}, d_v {D_V}, topk {topk}, "
+          f"S = {kv_per_token if kv_per_token > 1 else ''}T, bf16, {protocol} timing")
+    print("| T | H | indices | mode | ms | TFLOPS | / exact time | FlashMLA time / this |")
+    print("|---|---|---|---|---|---|---|---|")
     for T in Ts:
-        S = 2 * T
+        S = kv_per_token * T
         kv = torch.randn(S, D_QK, device="cuda", generator=gen).bfloat16()
         for H in Hs:
             q = torch.randn(T, H, D_QK, device="cuda", generator=gen).bfloat16()
@@ -62,20 +78,25 @@ def bench_fwd(Ts, Hs, topk, patterns=PATTERNS, protocol="sustained"):
             sm_scale = D_QK**-0.5
             for pattern in patterns:
                 indices = make_indices(T, S, topk, pattern, gen)
-                times = PROTOCOLS[protocol]({
+                fns = {
                     mode: (lambda thr=thr, o_lo=o_lo:
                            sm90.forward(q, kv, indices, None, sm_scale, D_V, thr, o_lo))
                     for mode, (thr, o_lo) in MODES.items()
-                })
+                }
+                if flashmla is not None and H in (64, 128):
+                    fns["FlashMLA"] = lambda: flashmla(q, kv[:, None], indices[:, None], sm_scale,
+                                                       D_V, None, None)
+                times = PROTOCOLS[protocol](fns)
                 for mode, ms in times.items():
-                    ratio = f"{times['exact'] / times['lazy']:.3f}" if mode == "exact" else ""
+                    anchor = times.get("FlashMLA")
+                    versus = f"{anchor / ms:.3f}" if anchor is not None else ""
                     print(f"| {T} | {H} | {pattern} | {mode} | {ms:.3f} | "
-                          f"{flops / ms / 1e9:.0f} | {ratio} |")
-                if T == min(Ts):
+                          f"{flops / ms / 1e9:.0f} | {ms / times['exact']:.3f} | {versus} |")
+                if T == min(Ts) and T <= 4096:
                     ref = lambda: torch_forward(q, kv, indices, sm_scale)  # noqa: E731
                     ms = PROTOCOLS[protocol]({"torch": ref})["torch"]
                     print(f"| {T} | {H} | {pattern} | torch (chunked) | {ms:.3f} | "
-                          f"{flops / ms / 1e9:.0f} | |")
+                          f"{flops / ms / 1e9:.0f} | | |")
             del q
         del kv
 
@@ -88,4 +109,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Runs the subcommand for parsed flags (:func:`add_arguments`)."""
-    bench_fwd(args.T, args.H, args.topk, protocol=args.protocol)
+    bench_fwd(args.T, args.H, args.topk, patterns=args.indices, protocol=args.protocol,
+              kv_per_token=KV_LENGTHS[args.S])

@@ -25,14 +25,21 @@ def make_indices(
     return idx.int()
 
 
+KV_LENGTHS = {"2T": 2, "T": 1}  # --S: kv rows per token
+
+
 def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the shape flags every subcommand shares: ``--T`` (token counts, S = 2T), ``--H``
-    (head counts) and ``--topk``."""
+    """Adds the shape flags every subcommand shares: ``--T`` (token counts), ``--S`` (kv length,
+    ``2T`` or ``T``), ``--H`` (head counts), ``--topk`` and ``--indices`` (index patterns)."""
     parser.add_argument("--T", type=int, nargs="+", default=[4096, 16384],
-                        help="token counts T (S = 2T); default: 4096 16384")
+                        help="token counts T; default: 4096 16384")
+    parser.add_argument("--S", choices=list(KV_LENGTHS), default="2T",
+                        help="kv length S: 2T (default) or T (the long-context rows)")
     parser.add_argument("--H", type=int, nargs="+", default=[128, 64],
                         help="head counts; default: 128 64")
     parser.add_argument("--topk", type=int, default=2048, help="slots per token; default: 2048")
+    parser.add_argument("--indices", choices=PATTERNS, nargs="+", default=list(PATTERNS),
+                        help="index patterns; default: random causal")
 
 
 def require_sm90(what: str) -> None:

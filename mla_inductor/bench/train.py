@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 from .. import backends, demo
 from ..api import sparse_mla
-from .problems import D_QK, D_V, PATTERNS, add_shape_arguments, make_indices, require_sm90
+from .problems import (D_QK, D_V, KV_LENGTHS, PATTERNS, add_shape_arguments, make_indices,
+                       require_sm90)
 from .timing import time_ms
 
 
@@ -33,18 +34,18 @@ def layer_flops(T: int, H: int, topk: int, d_qk: int = D_QK, d_v: int = D_V) -> 
     return 2 * T * H * topk * (4 * d_qk + 3 * d_v)
 
 
-def bench_layer(Ts, Hs, topk, patterns=PATTERNS):
+def bench_layer(Ts, Hs, topk, patterns=PATTERNS, kv_per_token=2):
     """Prints the one-layer forward + backward table (module docstring) for token counts ``Ts``
-    (S = 2T), head counts ``Hs``, d_qk 576 / d_v 512, bf16. Needs a CUDA device where the sm90
+    (S = ``kv_per_token`` x T), head counts ``Hs``, d_qk 576 / d_v 512, bf16. Needs a CUDA device where the sm90
     kernels run (:func:`mla_inductor.bench.problems.require_sm90`)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# sparse-MLA layer forward + backward, {datetime.date.today()}, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}, d_qk {D_QK}, d_v {D_V}, "
-          f"topk {topk}, S = 2T, bf16; TFLOPS = 2·T·H·topk·(4·d_qk + 3·d_v) / time")
+          f"topk {topk}, S = {kv_per_token}T, bf16; TFLOPS = 2·T·H·topk·(4·d_qk + 3·d_v) / time")
     print("| T | H | indices | backend | mode | ms | TFLOPS |")
     print("|---|---|---|---|---|---|---|")
     for T in Ts:
-        S = 2 * T
+        S = kv_per_token * T
         kv = torch.randn(S, D_QK, device="cuda", generator=gen).bfloat16().requires_grad_()
         for H in Hs:
             q = torch.randn(T, H, D_QK, device="cuda", generator=gen).bfloat16().requires_grad_()
@@ -122,7 +123,8 @@ def run(args: argparse.Namespace) -> None:
     the sm90 kernels cannot run here."""
     require_sm90("kernels")
     if not args.skip_layer:
-        bench_layer(args.T, args.H, args.topk)
+        bench_layer(args.T, args.H, args.topk, patterns=args.indices,
+                    kv_per_token=KV_LENGTHS[args.S])
     if not args.skip_model:
         bench_model(demo.Config(batch=4, seq_len=2048, d_model=1024, heads=64, layers=2,
                                 topk=512, d_index=64))

@@ -53,6 +53,7 @@ INSTALL_HINT = "pip install 'mla-inductor[sm100]'"
 D_LATENT = 512  # FA4's hdim_v (qv / v width)
 D_ROPE = 64  # FA4's hdim (q / k width)
 MAX_HEADS = 128
+MAX_TOKENS = 2**24 - 1  # 128 rows a token, counted in int32 inside FA4 (see supports)
 TOPK_MULTIPLE = 128
 
 
@@ -90,7 +91,14 @@ def available() -> tuple[bool, str]:
 
 
 def supports(dtype, direction, T, H, S, d_qk, d_v) -> tuple[bool, str]:
-    """Whether FA4 has kernels for this problem (``auto`` falls back to the reference if not)."""
+    """Whether FA4 has kernels for this problem (``auto`` falls back to the reference if not).
+
+    Sizes: every global offset in FA4 4.0.0b36's sparse-MLA kernels is 64-bit (its tensors have
+    64-bit dynamic strides), except row counts of the form T x (a 64- or 128-row head tile),
+    which are 32-bit (``flash_fwd_mla_sm100.py``, ``flash_bwd_preprocess.py``,
+    ``flash_bwd_mla_sm100.py``): hence ``T <= MAX_TOKENS``. Its backward also allocates a
+    ``T x H x topk`` bf16 dS buffer (16 GiB at T 32768, H 128, topk 2048), which bounds T by memory
+    long before that."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False, f"sm100 backend (FlashAttention-4): needs bf16 or fp16, got {dtype}"
     if d_v != D_LATENT or d_qk not in (D_LATENT, D_LATENT + D_ROPE):
@@ -102,6 +110,11 @@ def supports(dtype, direction, T, H, S, d_qk, d_v) -> tuple[bool, str]:
         return False, f"sm100 backend (FlashAttention-4): supports 1 to {MAX_HEADS} heads, got {H}"
     if direction == "backward" and d_qk > D_LATENT and dtype != torch.bfloat16:
         return False, "sm100 backend (FlashAttention-4): the backward with a RoPE part needs bfloat16"
+    if T > MAX_TOKENS:
+        return False, (
+            f"sm100 backend (FlashAttention-4): at most {MAX_TOKENS} tokens (its kernels count "
+            f"packed head-tile rows, 128 per token, in 32 bits), got T = {T}"
+        )
     return True, ""
 
 

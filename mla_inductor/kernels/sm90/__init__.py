@@ -38,7 +38,7 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
     """See :func:`mla_inductor.kernels.sm90.fwd.forward`."""
     from . import fwd
 
-    return fwd.forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo)
+    return fwd.forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo)[:3]
 
 
 def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576, d_v: int = 512,
@@ -78,4 +78,4 @@ def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
     """See :func:`mla_inductor.kernels.sm90.bwd.backward`."""
     from . import bwd
 
-    return bwd.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
+    return bwd.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)[:2]

@@ -157,12 +157,16 @@ def kmajor_sw128(dtype, rows: int, cols: int):
 
 
 class SparseMlaBackwardSm90:
-    """Static configuration: dtype, head count, d_qk, d_v, topk_length present or not, o_lo
-    passed or not."""
+    """Static configuration: dtype, head count, d_qk, d_v, and whether topk_length, o_lo,
+    causal positions and a gradient of lse are passed and dpsum is written out."""
 
     def __init__(self, dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
-                 has_o_lo: bool = True):
+                 has_o_lo: bool = True, has_positions: bool = False, has_dlse: bool = False,
+                 writes_dpsum: bool = False):
         self.has_o_lo = has_o_lo
+        self.has_positions = has_positions  # causal: slots naming a key past q_positions[t] are empty
+        self.has_dlse = has_dlse  # the backward uses dpsum - dlse
+        self.writes_dpsum = writes_dpsum  # dpsum (- dlse) to global, for the sink's gradient
         self.dtype = dtype
         self.heads = heads
         self.d_qk = d_qk
@@ -189,12 +193,16 @@ class SparseMlaBackwardSm90:
         mTopkLen: Optional[cute.Tensor],  # [T] int32
         mdQ: cute.Tensor,  # [T, H, d_qk]
         mdKV: cute.Tensor,  # [S, d_qk] fp32 accumulator, interleaved columns
+        mQPos: Optional[cute.Tensor],  # [T] int32, causal positions
+        mdLSE: Optional[cute.Tensor],  # [T, H] fp32, the gradient reaching lse
+        mDpsum: Optional[cute.Tensor],  # [T, H] fp32 out: dpsum - dlse
         sm_scale: Float32,
         stream: cuda.CUstream,
     ):
         T = mQ.shape[0]
         self.kernel(
-            mQ, mKV, mdO, mOut, mOlo, mLSE, mIdx, mTopkLen, mdQ, mdKV, sm_scale,
+            mQ, mKV, mdO, mOut, mOlo, mLSE, mIdx, mTopkLen, mdQ, mdKV, mQPos, mdLSE, mDpsum,
+            sm_scale,
         ).launch(
             grid=[T * self.head_tiles, 1, 1],
             block=[_NUM_THREADS, 1, 1],
@@ -231,10 +239,12 @@ class SparseMlaBackwardSm90:
 
     @cute.jit
     def dpsum_to_smem(self, mdO: cute.Tensor, mOut: cute.Tensor, mOlo: Optional[cute.Tensor],
+                      mdLSE: Optional[cute.Tensor], mDpsum: Optional[cute.Tensor],
                       token: Int32, head0: Int32, sDpsum: cute.Tensor, t: Int32):
         """The preprocess, inside the kernel (thread ``t`` of 256): ``sDpsum[m] = sum(dout *
-        (out + o_lo))`` over head ``head0 + m``'s row (fp32; without o_lo ``sum(dout * out)``;
-        0 for heads >= H). The four lanes ``t = 4 m + part`` share a row: lane ``part`` reads
+        (out + o_lo)) - dlse`` over head ``head0 + m``'s row (fp32; without o_lo ``sum(dout *
+        out)``, without dlse nothing subtracted; 0 for heads >= H), also written to ``mDpsum``
+        when that is passed. The four lanes ``t = 4 m + part`` share a row: lane ``part`` reads
         the 8-column pieces ``4 k + part`` and two butterfly shuffles complete the sum. The
         loads go out in batches of 8 pieces before any arithmetic, so that many are in flight,
         while the Q / dO / first-block copies land."""
@@ -264,21 +274,34 @@ class SparseMlaBackwardSm90:
         acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=1)
         acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=2)
         if part == 0:
+            if ok:
+                if const_expr(self.has_dlse):
+                    acc = acc - mdLSE[token, head]
+                if const_expr(self.writes_dpsum):
+                    mDpsum[token, head] = acc
             sDpsum[m] = acc if ok else Float32(0.0)
 
     @cute.jit
     def load_indices(
-        self, blk: Int32, token: Int32, n_valid: Int32, mIdx: cute.Tensor, S: Int32,
-        rIdx: cute.Tensor, t: Int32,
+        self, blk: Int32, token: Int32, n_valid: Int32, mIdx: cute.Tensor,
+        mQPos: Optional[cute.Tensor], S: Int32, rIdx: cute.Tensor, t: Int32,
     ):
         """kv row (or -1 for an empty slot) of the keys of block ``blk`` that warpgroup-0 thread
-        ``t`` gathers: rows ``r * 16 + t // 8``, r = 0..3."""
+        ``t`` gathers: rows ``r * 16 + t // 8``, r = 0..3. With causal positions the token's
+        position is read here each time (L1-resident) rather than held in a register across
+        the loop."""
+        pos = S
+        if const_expr(self.has_positions):
+            pos = mQPos[token]
         for r in cutlass.range_constexpr(_TILE_N // 16):
             slot = blk * _TILE_N + r * 16 + t // 8
             idx = Int32(-1)
             if slot < n_valid:
                 idx = mIdx[token, slot]
-            rIdx[r] = idx if (idx >= 0 and idx < S) else Int32(-1)
+            ok = idx >= 0 and idx < S
+            if const_expr(self.has_positions):
+                ok = ok and idx <= pos
+            rIdx[r] = idx if ok else Int32(-1)
 
     @cute.jit
     def gather(
@@ -350,6 +373,9 @@ class SparseMlaBackwardSm90:
         mTopkLen: Optional[cute.Tensor],
         mdQ: cute.Tensor,
         mdKV: cute.Tensor,
+        mQPos: Optional[cute.Tensor],
+        mdLSE: Optional[cute.Tensor],
+        mDpsum: Optional[cute.Tensor],
         sm_scale: Float32,
     ):
         """Device entry: one CTA per (token, 64-head tile); the design is the module docstring."""
@@ -394,7 +420,7 @@ class SparseMlaBackwardSm90:
         rIdx = cute.make_rmem_tensor(cute.make_layout((_TILE_N // 16,)), Int32)
         if wg == 0:
             if n_blocks > 0:
-                self.load_indices(Int32(0), token, n_valid, mIdx, mKV.shape[0], rIdx, tidx)
+                self.load_indices(Int32(0), token, n_valid, mIdx, mQPos, mKV.shape[0], rIdx, tidx)
                 self.gather(Int32(0), mKV, rIdx, sKV, sRow, tidx)
         # the preprocess: lse in log2 units, +inf for a row without a valid slot (lse = -inf),
         # so that every P of that row is exactly 0; dpsum
@@ -404,14 +430,14 @@ class SparseMlaBackwardSm90:
                 lse = mLSE[token, head0 + tidx]
                 lse2 = cutlass.select_(lse == -Float32.inf, Float32.inf, lse * Float32(_LOG2_E))
             sLSE2[tidx] = lse2
-        self.dpsum_to_smem(mdO, mOut, mOlo, token, head0, sDpsum, tidx)
+        self.dpsum_to_smem(mdO, mOut, mOlo, mdLSE, mDpsum, token, head0, sDpsum, tidx)
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
         cute.arch.sync_threads()  # Q, dO, lse, dpsum, block 0 and sRow[0] ready
 
         if wg == 0:
             self.wg0_body(
-                tidx, token, head0, n_valid, n_blocks, sm_scale, mKV, mIdx, mdQ, mdKV,
+                tidx, token, head0, n_valid, n_blocks, sm_scale, mKV, mIdx, mQPos, mdQ, mdKV,
                 sQ, sKV, sdO, sP, sdS, sRow, sLSE2, sDpsum, rIdx,
             )
         if wg == 1:
@@ -430,6 +456,7 @@ class SparseMlaBackwardSm90:
         sm_scale: Float32,
         mKV: cute.Tensor,
         mIdx: cute.Tensor,
+        mQPos: Optional[cute.Tensor],
         mdQ: cute.Tensor,
         mdKV: cute.Tensor,
         sQ: cute.Tensor,
@@ -501,7 +528,7 @@ class SparseMlaBackwardSm90:
                 cute.gemm(mma_sp, acc_dp, tA_do[None, None, k], tB_v[None, None, k], acc_dp)
             warpgroup.commit_group()
             if blk + 1 < n_blocks:  # the next block's indices, while the tensor cores work
-                self.load_indices(blk + 1, token, n_valid, mIdx, S_rows, rIdx, t)
+                self.load_indices(blk + 1, token, n_valid, mIdx, mQPos, S_rows, rIdx, t)
 
             warpgroup.wait_group(1)  # S done
             for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -747,20 +774,24 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 
 def compile_key(dtype: torch.dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
-                has_o_lo: bool = True, arch: str = "sm_90a") -> tuple:
+                has_o_lo: bool = True, arch: str = "sm_90a", *, has_positions: bool = False,
+                has_dlse: bool = False, writes_dpsum: bool = False) -> tuple:
     """The static compile key: T, S and topk are symbolic; the head count is static, and so
-    are whether ``topk_length`` and a non-empty ``o_lo`` are passed (the kernel reads o_lo
-    for dpsum only when it is)."""
+    are whether ``topk_length``, a non-empty ``o_lo`` (read for dpsum only when passed), causal
+    positions and dlse are passed and whether dpsum is written out. The arch is last."""
     return (str(dtype).removeprefix("torch."), int(heads), int(d_qk), int(d_v),
-            bool(has_topk_length), bool(has_o_lo), arch)
+            bool(has_topk_length), bool(has_o_lo), bool(has_positions), bool(has_dlse),
+            bool(writes_dpsum), arch)
 
 
 def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
-                     has_o_lo: bool = True):
+                     has_o_lo: bool = True, has_positions: bool = False, has_dlse: bool = False,
+                     writes_dpsum: bool = False):
     """Compiles the main kernel for one static configuration (no GPU needed inside
     :func:`target_arch`). The returned TVM-FFI function takes ``(q, kv, dout, out,
-    o_lo_or_None, lse, indices, topk_length_or_None, dq, dkv_accum, sm_scale)`` as torch tensors
-    and a float, and runs on torch's current stream."""
+    o_lo_or_None, lse, indices, topk_length_or_None, dq, dkv_accum, q_positions_or_None,
+    dlse_or_None, dpsum_or_None, sm_scale)`` as torch tensors and a float, and runs on torch's
+    current stream."""
     cdtype = _DTYPES[dtype_name]
     T, S, K = cute.sym_int(), cute.sym_int(), cute.sym_int()
 
@@ -785,17 +816,21 @@ def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_
         fake(cutlass.Int32, (T,), 4) if has_topk_length else None,  # topk_length
         per_token(cdtype, d_qk),  # dq
         fake(cutlass.Float32, (S, d_qk), 16),  # dkv_accum
+        fake(cutlass.Int32, (T,), 4) if has_positions else None,  # q_positions
+        fake(cutlass.Float32, (T, heads), 4) if has_dlse else None,  # dlse
+        fake(cutlass.Float32, (T, heads), 4) if writes_dpsum else None,  # dpsum out
         cutlass.Float32(1.0),  # sm_scale
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
-    kernel = SparseMlaBackwardSm90(cdtype, heads, d_qk, d_v, has_topk_length, has_o_lo)
+    kernel = SparseMlaBackwardSm90(cdtype, heads, d_qk, d_v, has_topk_length, has_o_lo,
+                                   has_positions, has_dlse, writes_dpsum)
     return cute.compile(kernel, *args, options="--enable-tvm-ffi")
 
 
 def get_kernel(key: tuple):
     """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now
     (raises :class:`~mla_inductor.kernels.cache.CompileDuringCaptureError` during capture)."""
-    return _CACHE.get(key, lambda: compile_backward(*key[:6]))
+    return _CACHE.get(key, lambda: compile_backward(*key[:-1]))
 
 
 def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads=(128,),
@@ -821,15 +856,20 @@ def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads
     return compiled
 
 
-def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum):
+def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum, *,
+                  q_positions=None, dlse=None, dpsum_out=None):
     """Runs the main kernel (its prologue computes dpsum and lse in log2 units); returns
     ``dq [T, H, d_qk]`` (q's dtype) and adds the dkv gradient into ``dkv_accum`` (``[S, d_qk]``
     float32, contiguous, 16-byte aligned; rows of empty slots are never touched).
 
     Inputs: ``dout``, ``out`` ``[T, H, d_v]`` and ``q [T, H, d_qk]``, ``kv [S, d_qk]``, all of one
     dtype (bf16 or fp16); ``indices [T, topk]`` int32; ``topk_length [T]`` or None; ``lse
-    [T, H]`` float32, natural log (-inf for a row without a valid slot); ``o_lo [T, H, d_v]``
-    in q's dtype or empty (dpsum from ``out`` alone); ``sm_scale`` float; ``d_v`` 512.
+    [T, H]`` float32, natural log (-inf for a row without a valid slot; with an attention sink,
+    the forward's lse, which includes it); ``o_lo [T, H, d_v]`` in q's dtype or empty (dpsum
+    from ``out`` alone); ``sm_scale`` float; ``d_v`` 512. Keyword-only: ``q_positions [T]``
+    int32 (causal: slots naming a key past the token's position are empty), ``dlse [T, H]``
+    float32 (the gradient reaching lse: the kernel uses ``dpsum - dlse``) and ``dpsum_out
+    [T, H]`` float32, contiguous, which receives ``dpsum - dlse`` (for the sink's gradient).
 
     ``dkv_accum`` is in the kernel's **interleaved column order** (see :func:`dkv_interleave`):
     columns are permuted within aligned groups of 16, rows are not moved. A zeroed buffer needs no
@@ -861,30 +901,48 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     if (dkv_accum.dtype != torch.float32 or tuple(dkv_accum.shape) != (S, d_qk)
             or not dkv_accum.is_contiguous() or dkv_accum.data_ptr() % 16 != 0):
         raise ValueError("dkv_accum must be a contiguous, 16-byte aligned float32 [S, d_qk] tensor")
+    if dpsum_out is not None and (dpsum_out.dtype != torch.float32 or tuple(dpsum_out.shape) != (T, H)
+                                  or not dpsum_out.is_contiguous()):
+        raise ValueError("dpsum_out must be a contiguous float32 [T, H] tensor")
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or H == 0:
         return dq
     tlen = None if topk_length is None else topk_length.to(torch.int32).contiguous()
+    qpos = None if q_positions is None else q_positions.to(torch.int32).contiguous()
+    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     has_o_lo = o_lo.numel() > 0
-    fn = get_kernel(compile_key(q.dtype, H, d_qk, d_v, tlen is not None, has_o_lo))
+    fn = get_kernel(compile_key(q.dtype, H, d_qk, d_v, tlen is not None, has_o_lo,
+                                has_positions=qpos is not None, has_dlse=dlse is not None,
+                                writes_dpsum=dpsum_out is not None))
     q, kv, dout, out = (contiguous_aligned(x) for x in (q, kv, dout, out))
     fn(q, kv, dout, out, contiguous_aligned(o_lo) if has_o_lo else None, lse.contiguous(),
-       indices.contiguous(), tlen, dq, dkv_accum, float(sm_scale))
+       indices.contiguous(), tlen, dq, dkv_accum, qpos, dlse, dpsum_out, float(sm_scale))
     return dq
 
 
-def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v):
-    """Backend-protocol backward (see :mod:`mla_inductor.kernels`): returns ``(dq, dkv)``,
-    ``dq [T, H, d_qk]`` in q's dtype and ``dkv [S, d_qk]`` in kv's dtype (fp32 accumulation,
-    empty slots never written).
+def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, *,
+             q_positions=None, attn_sink=None, dlse=None):
+    """The whole SM90 backward: returns ``(dq, dkv, d_sink)``, ``dq [T, H, d_qk]`` in q's dtype,
+    ``dkv [S, d_qk]`` in kv's dtype (fp32 accumulation, empty slots never written) and, when
+    ``attn_sink [H]`` float32 is given, ``d_sink [H]`` float32 ``= -sum_t exp(sink - lse) *
+    (dpsum - dlse)`` (else None). Inputs as :func:`backward_into`.
 
     Raises:
         ValueError: as :func:`backward_into`.
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
     dkv_accum = torch.zeros(kv.shape[0], q.shape[2], dtype=torch.float32, device=kv.device)
-    dq = backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum)
-    return dq, dkv_from_accum(dkv_accum, kv.dtype)
+    dpsum = None
+    if attn_sink is not None:
+        dpsum = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    dq = backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum,
+                       q_positions=q_positions, dlse=dlse, dpsum_out=dpsum)
+    d_sink = None
+    if attn_sink is not None:
+        p_sink = torch.exp(attn_sink.float()[None, :] - lse)  # the sink's probability per row
+        p_sink = torch.where(torch.isneginf(lse), 0.0, p_sink)
+        d_sink = -(p_sink * dpsum).sum(0)
+    return dq, dkv_from_accum(dkv_accum, kv.dtype), d_sink
 
 
 def dkv_from_accum(dkv_accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -131,7 +131,8 @@ class SparseMlaFwdSm90:
     """Compile-time configuration of one forward kernel (see the module docstring)."""
 
     def __init__(self, dtype, d_qk: int, d_v: int, rescale_threshold: float, has_o_lo: bool,
-                 has_topk_length: bool):
+                 has_topk_length: bool, has_positions: bool = False, has_sink: bool = False,
+                 has_max_logits: bool = False):
         if dtype not in (BFloat16, Float16):
             raise TypeError(f"sm90 sparse-MLA forward supports bf16/fp16, got {dtype}")
         if (d_qk, d_v) not in SUPPORTED_DIMS:
@@ -147,6 +148,9 @@ class SparseMlaFwdSm90:
         self.skip_unit_rescale = self.threshold > 0.0
         self.has_o_lo = has_o_lo
         self.has_topk_length = has_topk_length
+        self.has_positions = has_positions  # causal: slots naming a key past q_positions[t] are empty
+        self.has_sink = has_sink
+        self.has_max_logits = has_max_logits
         self.n_chunks = d_qk // 64
         self.p_in_rope = d_qk - d_v >= 64  # A's P tile lives in the (dead) RoPE chunk of stage 0
         self.stage_elems = TILE_N * d_qk
@@ -168,7 +172,7 @@ class SparseMlaFwdSm90:
         n = TILE_H * self.d_qk * e + 2 * self.stage_elems * e + self.n_p_tiles * TILE_H * TILE_N * e
         # sMa, sMb, sL (2 x 64 fp32), sValid (2 x 64 int32) and 9 mbarriers, each 16-byte
         # aligned, plus slack
-        return n + 4 * TILE_H * 4 + 2 * TILE_N * 4 + 9 * 8 + 512
+        return n + 6 * TILE_H * 4 + 2 * TILE_N * 4 + 9 * 8 + 512  # + sMaxL (2 x 64 fp32)
 
     @cute.jit
     def __call__(
@@ -180,6 +184,9 @@ class SparseMlaFwdSm90:
         mO: cute.Tensor,  # [T, H, d_v]
         mLSE: cute.Tensor,  # [T, H] fp32
         mOlo: cute.Tensor | None,  # [T, H, d_v], out's dtype
+        mQPos: cute.Tensor | None,  # [T] int32, causal positions
+        mSink: cute.Tensor | None,  # [H] fp32, attention sink logits (natural log)
+        mMaxLogits: cute.Tensor | None,  # [T, H] fp32
         scale_log2: Float32,
         stream,
     ):
@@ -199,7 +206,7 @@ class SparseMlaFwdSm90:
         )
         n_head_tiles = (mQ.shape[1] + TILE_H - 1) // TILE_H
         self.kernel(
-            mQ, mKV, mIdx, mTopkLen, mO, mLSE, mOlo, scale_log2,
+            mQ, mKV, mIdx, mTopkLen, mO, mLSE, mOlo, mQPos, mSink, mMaxLogits, scale_log2,
             sQ_layout, sKV_layout, sP_layout, tiled_mma_qk, tiled_mma_pv_rs, tiled_mma_pv_ss,
         ).launch(
             grid=[mQ.shape[0] * n_head_tiles, 1, 1],
@@ -219,6 +226,9 @@ class SparseMlaFwdSm90:
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         mOlo: cute.Tensor | None,
+        mQPos: cute.Tensor | None,
+        mSink: cute.Tensor | None,
+        mMaxLogits: cute.Tensor | None,
         scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sKV_layout: cute.ComposedLayout,
@@ -278,6 +288,8 @@ class SparseMlaFwdSm90:
         sMa = smem.allocate_tensor(Float32, cute.make_layout((TILE_H,)), 16)
         sMb = smem.allocate_tensor(Float32, cute.make_layout((TILE_H,)), 16)
         sL = smem.allocate_tensor(Float32, cute.make_layout((TILE_H, 2)), 16)
+        # each consumer's true maximum of its blocks' scaled scores (max_logits)
+        sMaxL = smem.allocate_tensor(Float32, cute.make_layout((TILE_H, 2)), 16)
         # validity (1 / 0) of each key of each stage, written by the producer with the stage's
         # first quarter (published by that quarter's full barrier)
         sValid = smem.allocate_tensor(Int32, cute.make_layout((TILE_N, 2)), 16)
@@ -310,6 +322,9 @@ class SparseMlaFwdSm90:
             kv_base = mKV.iterator.toint()
             elem = self.dtype.width // 8
             row_bytes = self.d_qk * elem
+            pos = Int32(0)
+            if const_expr(self.has_positions):
+                pos = mQPos[t]
             keep = create_policy(True)  # KV rows: read by both head tiles and many tokens
             stream_once = create_policy(False)  # Q: read once
             for p in cutlass.range_constexpr(TILE_H // 16):
@@ -343,6 +358,8 @@ class SparseMlaFwdSm90:
                         r = p * 16 + row_in_pass
                         idx = rows_idx[b * (TILE_N // 16) + p]
                         ok = (idx >= 0) & (idx < seqlen_kv)
+                        if const_expr(self.has_positions):
+                            ok = ok & (idx <= pos)
                         src = kv_base + Int64(idx) * row_bytes
                         src = cutlass.select_(ok, src, kv_base)
                         self._copy_row(stage_addr, r, vec, src, ok, c_lo, c_hi, keep)
@@ -384,6 +401,8 @@ class SparseMlaFwdSm90:
             psum = cute.make_rmem_tensor((2,), Float32)
             row_max.fill(MAX_INIT)
             row_sum.fill(0.0)
+            true_max = cute.make_rmem_tensor((2,), Float32)  # (max_logits: the lazy max is stale)
+            true_max.fill(-Float32.inf)
             valid = cute.make_rmem_tensor((16,), Boolean)
             mma_rs = cute.make_mma_atom(tiled_mma_pv_rs.op)
             mma_ss = cute.make_mma_atom(tiled_mma_pv_ss.op)
@@ -420,6 +439,9 @@ class SparseMlaFwdSm90:
 
                     # softmax of the own block against the running max, max published to B
                     self._mask_rowmax(acc_S, valid, bmax, scale_log2)
+                    if const_expr(self.has_max_logits):
+                        true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
+                        true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
                     m_pair[0] = self._new_max(row_max[0], bmax[0])
                     m_pair[1] = self._new_max(row_max[1], bmax[1])
                     if lane % 4 == 0:
@@ -454,8 +476,9 @@ class SparseMlaFwdSm90:
                     # O[:, :d_v/2] += P_B V_B[:, :d_v/2]
                     self._other_pv(mma_ss, acc_O, tOsP, pb_idx, tOrV_ss, 1, BAR_P_B)
                 warpgroup.wait_group(0)
-                self._epilogue(0, acc_O, row_max, row_sum, psum, sL, thr_rs, sKV, mO, mLSE, mOlo,
-                               t, h0, num_heads, row0, row1, lane, ct)
+                self._epilogue(0, acc_O, row_max, row_sum, true_max, psum, sL, sMaxL, thr_rs, sKV,
+                               mO, mLSE, mOlo, mSink, mMaxLogits, t, h0, num_heads, row0, row1,
+                               lane, ct)
             else:
                 # ---- B: S of the pair's second block (stage 1), O[:, d_v/2:] ----
                 tOrV_rs = thr_rs.make_fragment_B(thr_rs.partition_B(sVt_all[(None, 1), None, None]))
@@ -477,6 +500,9 @@ class SparseMlaFwdSm90:
                     warpgroup.wait_group(0)
 
                     self._mask_rowmax(acc_S, valid, bmax, scale_log2)
+                    if const_expr(self.has_max_logits):
+                        true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
+                        true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
                     cute.arch.barrier(barrier_id=BAR_MAX_A, number_of_threads=256)
                     m_pair[0] = self._new_max(sMa[row0], bmax[0])
                     m_pair[1] = self._new_max(sMa[row1], bmax[1])
@@ -501,13 +527,20 @@ class SparseMlaFwdSm90:
                     cute.arch.mbarrier_arrive(mbar_empty + 3)  # own right quarter free
                     warpgroup.wait_group(0)
                     cute.arch.mbarrier_arrive(mbar_empty + 1)  # A's right quarter (+ its P) free
-                self._epilogue(1, acc_O, row_max, row_sum, psum, sL, thr_rs, sKV, mO, mLSE, mOlo,
-                               t, h0, num_heads, row0, row1, lane, ct)
+                self._epilogue(1, acc_O, row_max, row_sum, true_max, psum, sL, sMaxL, thr_rs, sKV,
+                               mO, mLSE, mOlo, mSink, mMaxLogits, t, h0, num_heads, row0, row1,
+                               lane, ct)
 
     @cute.jit
-    def _epilogue(self, role: cutlass.Constexpr, acc_O, row_max, row_sum, psum, sL, thr_rs, sKV,
-                  mO, mLSE, mOlo, t, h0, num_heads, row0, row1, lane, ct):
-        """Row sums of both consumers combined, lse (written by A), then out / o_lo."""
+    def _epilogue(self, role: cutlass.Constexpr, acc_O, row_max, row_sum, true_max, psum, sL,
+                  sMaxL, thr_rs, sKV, mO, mLSE, mOlo, mSink, mMaxLogits, t, h0, num_heads, row0,
+                  row1, lane, ct):
+        """Row sums (and true maxima) of both consumers combined; the sink joins the
+        denominator; lse and max_logits (written by A), then out / o_lo.
+
+        With a sink ``s2 = sink * log2(e)`` the row's total in the max ``m_e = max(m, s2)`` is
+        ``row_sum * exp2(m - m_e) + exp2(s2 - m_e)``: a row without a valid slot gets out 0 and
+        lse = sink (-inf only when the sink is -inf too)."""
         inv = [Float32(0.0), Float32(0.0)]
         rows = [row0, row1]
         for r in cutlass.range_constexpr(2):
@@ -517,16 +550,32 @@ class SparseMlaFwdSm90:
             psum[r] = rs
             if lane % 4 == 0:
                 sL[rows[r], role] = rs
+                if const_expr(self.has_max_logits):
+                    sMaxL[rows[r], role] = true_max[r]
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=256)
         for r in cutlass.range_constexpr(2):
             rs = psum[r] + sL[rows[r], 1 - role]
+            head = h0 + rows[r]
+            m = row_max[r]
+            scale = Float32(1.0)
+            if const_expr(self.has_sink):
+                s2 = -Float32.inf
+                if head < num_heads:
+                    s2 = mSink[head] * Float32(LOG2E)
+                m_e = cute.arch.fmax(m, s2)
+                scale = cute.math.exp2(m - m_e, fastmath=True)
+                rs = rs * scale + cute.math.exp2(s2 - m_e, fastmath=True)
+                m = m_e
             has = rs > 0.0
-            inv[r] = cutlass.select_(has, 1.0 / rs, Float32(0.0))
+            inv[r] = cutlass.select_(has, scale / rs, Float32(0.0))
             if const_expr(role == 0):
-                lse = cutlass.select_(has, row_max[r] * LN2 + cute.math.log(rs), -Float32.inf)
+                lse = cutlass.select_(has, m * LN2 + cute.math.log(rs), -Float32.inf)
                 if lane % 4 == 0:
-                    if h0 + rows[r] < num_heads:
-                        mLSE[t, h0 + rows[r]] = lse
+                    if head < num_heads:
+                        mLSE[t, head] = lse
+                        if const_expr(self.has_max_logits):
+                            top = cute.arch.fmax(true_max[r], sMaxL[rows[r], 1])
+                            mMaxLogits[t, head] = top * Float32(LN2)
         self._store_o(acc_O, thr_rs, sKV, mO, mOlo, t, h0, num_heads, role, inv, ct + 128 * role)
 
     @cute.jit
@@ -713,15 +762,18 @@ _TORCH_TO_CUTE = {"bfloat16": BFloat16, "float16": Float16}
 
 
 def compile_forward(dtype_name: str, d_qk: int, d_v: int, rescale_threshold: float,
-                    has_o_lo: bool, has_topk_length: bool):
+                    has_o_lo: bool, has_topk_length: bool, has_positions: bool = False,
+                    has_sink: bool = False, has_max_logits: bool = False):
     """Compile one forward kernel (no GPU needed when ``CUTE_DSL_ARCH`` is set).
 
     ``dtype_name`` is ``"bfloat16"`` or ``"float16"``. T, H, S and topk are symbolic, so the
-    result serves every size. Returns the TVM-FFI callable
-    ``fn(q, kv, indices, topk_length_or_None, out, lse, o_lo_or_None, scale_log2)``.
+    result serves every size. Returns the TVM-FFI callable ``fn(q, kv, indices,
+    topk_length_or_None, out, lse, o_lo_or_None, q_positions_or_None, attn_sink_or_None,
+    max_logits_or_None, scale_log2)``.
     """
     dtype = _TORCH_TO_CUTE[dtype_name]
-    kernel = SparseMlaFwdSm90(dtype, d_qk, d_v, rescale_threshold, has_o_lo, has_topk_length)
+    kernel = SparseMlaFwdSm90(dtype, d_qk, d_v, rescale_threshold, has_o_lo, has_topk_length,
+                              has_positions, has_sink, has_max_logits)
     n_tok, n_head, n_kv, n_topk = (cute.sym_int() for _ in range(4))
     fake = cute.runtime.make_fake_compact_tensor
     q = fake(dtype, (n_tok, n_head, d_qk), stride_order=(2, 1, 0), assumed_align=16)
@@ -732,24 +784,31 @@ def compile_forward(dtype_name: str, d_qk: int, d_v: int, rescale_threshold: flo
     lse = fake(Float32, (n_tok, n_head), stride_order=(1, 0), assumed_align=4)
     o_lo = (fake(dtype, (n_tok, n_head, d_v), stride_order=(2, 1, 0), assumed_align=16)
             if has_o_lo else None)
+    q_pos = fake(Int32, (n_tok,), assumed_align=4) if has_positions else None
+    sink = fake(Float32, (n_head,), assumed_align=4) if has_sink else None
+    max_logits = (fake(Float32, (n_tok, n_head), stride_order=(1, 0), assumed_align=4)
+                  if has_max_logits else None)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel, q, kv, idx, topk_len, out, lse, o_lo, Float32(1.0), stream,
-                        options="--enable-tvm-ffi")
+    return cute.compile(kernel, q, kv, idx, topk_len, out, lse, o_lo, q_pos, sink, max_logits,
+                        Float32(1.0), stream, options="--enable-tvm-ffi")
 
 
 _CACHE = KernelCache("mla_sm90_fwd")
 
 
 def compile_key(dtype: torch.dtype, d_qk: int, d_v: int, rescale_threshold: float,
-                has_o_lo: bool, has_topk_length: bool, arch: str = "sm_90a") -> tuple:
-    """The static compile key: everything else (T, H, S, topk) is symbolic."""
+                has_o_lo: bool, has_topk_length: bool, arch: str = "sm_90a", *,
+                has_positions: bool = False, has_sink: bool = False,
+                has_max_logits: bool = False) -> tuple:
+    """The static compile key: everything else (T, H, S, topk) is symbolic. The arch is last."""
     return (str(dtype).removeprefix("torch."), int(d_qk), int(d_v), float(rescale_threshold),
-            bool(has_o_lo), bool(has_topk_length), arch)
+            bool(has_o_lo), bool(has_topk_length), bool(has_positions), bool(has_sink),
+            bool(has_max_logits), arch)
 
 
 def get_kernel(key: tuple):
     """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now."""
-    return _CACHE.get(key, lambda: compile_forward(*key[:6]))
+    return _CACHE.get(key, lambda: compile_forward(*key[:-1]))
 
 
 @contextlib.contextmanager
@@ -766,8 +825,9 @@ def target_arch(arch: str):
         envar.arch = previous
 
 
-def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo):
-    """Sparse-MLA forward on SM90 (protocol of ``mla_inductor.kernels``).
+def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo, *,
+            q_positions=None, attn_sink=None, return_max_logits=False):
+    """Sparse-MLA forward on SM90.
 
     Args:
         q: ``[T, H, d_qk]`` bf16/fp16 CUDA tensor, 1 <= H (any; padded to 64 inside).
@@ -777,10 +837,17 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
         sm_scale: softmax scale (float). d_v: 512. rescale_threshold: 0.0 (exact running max)
             or a lazy threshold in log2 units (< 127 for bf16, < 15 for fp16).
         return_o_lo: also return ``o_lo = float32(O) - out`` rounded to q's dtype.
+        q_positions: ``[T]`` int32 or None; when given (causal masking), a slot whose index is
+            greater than ``q_positions[t]`` is empty.
+        attn_sink: ``[H]`` float32 or None: one logit per head (natural-log units, like
+            ``sm_scale * q.k``) that joins the softmax denominator and has no value.
+        return_max_logits: also return the true maximum of ``sm_scale * q.k`` over each row's
+            valid slots (the sink not included; -inf for a row without one).
 
     Returns:
         ``(out [T, H, d_v] q.dtype, lse [T, H] fp32 natural log, o_lo [T, H, d_v] q.dtype or
-        empty)``.
+        empty, max_logits [T, H] fp32 or empty)``. A row without a valid slot has out 0 and lse
+        equal to its head's sink (-inf without a sink).
 
     Raises:
         ValueError / TypeError: unsupported shapes, head dims, device or dtypes.
@@ -803,23 +870,32 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
     out = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     o_lo = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device) if return_o_lo else q.new_empty(0)
+    max_logits = (torch.empty(T, H, dtype=torch.float32, device=q.device) if return_max_logits
+                  else q.new_empty(0, dtype=torch.float32))
     if T == 0 or H == 0:
-        return out, lse, o_lo
+        return out, lse, o_lo, max_logits
     if indices.shape[1] == 0:
         out.zero_()
-        lse.fill_(float("-inf"))
-        if return_o_lo:
-            o_lo.zero_()
-        return out, lse, o_lo
+        lse.copy_(attn_sink.float().expand(T, H) if attn_sink is not None
+                  else torch.full_like(lse, float("-inf")))
+        o_lo.zero_()
+        max_logits.fill_(float("-inf"))
+        return out, lse, o_lo, max_logits
     q, kv = contiguous_aligned(q), contiguous_aligned(kv)
     indices = indices.to(torch.int32).contiguous()
     if topk_length is not None:
         topk_length = topk_length.to(torch.int32).contiguous()
-    key = compile_key(q.dtype, d_qk, d_v, rescale_threshold, return_o_lo, topk_length is not None)
+    if q_positions is not None:
+        q_positions = q_positions.to(torch.int32).contiguous()
+    if attn_sink is not None:
+        attn_sink = attn_sink.to(torch.float32).contiguous()
+    key = compile_key(q.dtype, d_qk, d_v, rescale_threshold, return_o_lo, topk_length is not None,
+                      has_positions=q_positions is not None, has_sink=attn_sink is not None,
+                      has_max_logits=return_max_logits)
     kernel = get_kernel(key)
-    kernel(q, kv, indices, topk_length, out, lse, o_lo if return_o_lo else None,
-           float(sm_scale) * LOG2E)
-    return out, lse, o_lo
+    kernel(q, kv, indices, topk_length, out, lse, o_lo if return_o_lo else None, q_positions,
+           attn_sink, max_logits if return_max_logits else None, float(sm_scale) * LOG2E)
+    return out, lse, o_lo, max_logits
 
 
 def contiguous_aligned(x: torch.Tensor) -> torch.Tensor:
