@@ -63,15 +63,16 @@ def sparse_mla_fwd(
     ``q [T, H, d_qk]`` bf16/fp16 (fp32 on the reference backend), ``kv [S, d_qk]`` same dtype,
     ``indices [T, topk]`` int32 (< 0 or >= S: empty slot), ``topk_length [T]`` int32 or None,
     ``sm_scale`` (natural-log domain), ``d_v <= d_qk``, ``rescale_threshold`` in log2 units (0.0
-    exact running max, > 0 lazy rescale). Returns ``out [T, H, d_v]`` in q's dtype,
+    exact running max, > 0 lazy rescale; finite and below 15 for float16, 64 for bfloat16 and
+    float32). Returns ``out [T, H, d_v]`` in q's dtype,
     ``lse [T, H]`` float32 natural log (-inf on rows without a valid slot) and ``o_lo``:
     ``float32(O) - out`` rounded to q's dtype, ``[T, H, d_v]``, when ``return_o_lo``, else an
     empty tensor of q's dtype.
 
     Raises:
-        RuntimeError: the input checks of :mod:`mla_inductor.validation` (the same messages from
-            the fake kernel at trace time; forward-mode AD only at run time), or a forced backend
-            that cannot run here.
+        RuntimeError: the input checks of :mod:`mla_inductor.validation`, the rescale_threshold
+            included (the same messages from the fake kernel at trace time), forward-mode AD
+            (at run time), or a forced backend that cannot run here.
     """
     check_forward_inputs(q, kv, indices, topk_length, d_v)
     check_rescale_threshold(rescale_threshold, q.dtype)

@@ -12,10 +12,12 @@ backends:
     ``q [T, H, d_qk]`` (bf16/fp16; fp32 on the reference path), last dim contiguous;
     ``kv [S, d_qk]`` same dtype, last dim contiguous; ``indices [T, topk]`` int32 contiguous
     (any value < 0 or >= S is an empty slot); ``topk_length [T]`` int32 or ``None`` (slots at
-    positions >= topk_length[t] are empty). ``sm_scale`` float, ``d_v <= d_qk`` int,
-    ``rescale_threshold`` float in log2 units (0.0 = exact running max), ``return_o_lo`` bool.
+    positions >= topk_length[t] are empty). An empty slot is never read: no value of the row
+    its index would name (NaN included) may reach a result. ``sm_scale`` float, ``d_v <= d_qk``
+    int, ``rescale_threshold`` float in log2 units (0.0 = exact running max; the op has checked
+    it against :data:`mla_inductor.validation.MAX_RESCALE_THRESHOLD`), ``return_o_lo`` bool.
     Returns contiguous ``out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` float32 natural log
-    (-inf for a row with no valid slot, whose out is 0) and ``o_lo = float32(O) - out`` rounded
+    (-inf for a row with no valid slot, whose out is 0; NaN where a score is NaN or +inf) and ``o_lo = float32(O) - out`` rounded
     to q's dtype, ``[T, H, d_v]``, when ``return_o_lo`` else ``q.new_empty(0)``. (The residual
     is about 2**-9 of ``out`` in bf16 and its own rounding about 2**-9 of the residual, so
     ``out + o_lo`` carries O to about 2**-17.)
