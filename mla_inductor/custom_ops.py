@@ -85,17 +85,17 @@ def sparse_mla_fwd(
     ``q_positions [T]`` int32 or None (causal: a slot whose index is past ``q_positions[t]`` is
     empty), ``attn_sink [H]`` float32 or None (one logit per head in the denominator),
     ``sm_scale`` (natural-log domain), ``d_v <= d_qk``, ``rescale_threshold`` in log2 units (0.0
-    exact running max, > 0 lazy rescale). Returns ``out [T, H, d_v]`` in q's dtype,
-    ``lse [T, H]`` float32 natural log (the sink included; a row without a valid slot: out 0,
-    lse = its sink or -inf), ``o_lo``: ``float32(O) - out`` rounded to q's dtype,
-    ``[T, H, d_v]``, when ``return_o_lo``, else an empty tensor of q's dtype, and
-    ``max_logits [T, H]`` float32 (the maximum valid score, -inf for none) when
-    ``return_max_logits``, else an empty float32 tensor.
+    exact running max, > 0 lazy rescale; finite and below 15 for float16, 64 for bfloat16 and
+    float32). Returns ``out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` float32 natural log (the
+    sink included; a row without a valid slot: out 0, lse = its sink or -inf), ``o_lo``:
+    ``float32(O) - out`` rounded to q's dtype, ``[T, H, d_v]``, when ``return_o_lo``, else an
+    empty tensor of q's dtype, and ``max_logits [T, H]`` float32 (the maximum valid score, -inf
+    for none) when ``return_max_logits``, else an empty float32 tensor.
 
     Raises:
-        RuntimeError: the input checks of :mod:`mla_inductor.validation` (the same messages from
-            the fake kernel at trace time; forward-mode AD only at run time), or a forced backend
-            that cannot run here.
+        RuntimeError: the input checks of :mod:`mla_inductor.validation`, the rescale_threshold
+            included (the same messages from the fake kernel at trace time), forward-mode AD
+            (at run time), or a forced backend that cannot run here.
     """
     check_forward_inputs(q, kv, indices, topk_length, d_v)
     check_features(q, q_positions, attn_sink)

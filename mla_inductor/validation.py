@@ -250,6 +250,8 @@ def check_no_func_transform() -> None:
     Raises:
         RuntimeError: naming the transforms and what to use instead.
     """
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return  # no transform at all: the common case, 0.1 us instead of 20
     transforms = {i.key() for i in retrieve_all_functorch_interpreters()}
     _check(
         not transforms & {TransformType.Grad, TransformType.Jvp},
@@ -266,6 +268,8 @@ def check_no_forward_ad(q: torch.Tensor, kv: torch.Tensor) -> None:
     Raises:
         RuntimeError: when q or kv carries a tangent.
     """
+    if getattr(fwAD, "_current_level", 0) < 0:
+        return  # no dual level is open (the common case)
     _check(
         all(fwAD.unpack_dual(t).tangent is None for t in (q, kv)),
         "forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported: the op has "

@@ -14,17 +14,20 @@ rescale_threshold, return_o_lo, return_max_logits) -> (out, lse, o_lo, max_logit
     (any value < 0 or >= S is an empty slot); ``topk_length [T]`` int32 or ``None`` (slots at
     positions >= topk_length[t] are empty); ``q_positions [T]`` int32 or ``None`` (causal: a
     slot whose index is greater than ``q_positions[t]`` is empty); ``attn_sink [H]`` float32 or
-    ``None`` (one logit per head, natural-log units, in the softmax denominator, no value).
-    ``sm_scale`` float, ``d_v <= d_qk`` int, ``rescale_threshold`` float in log2 units (0.0 =
-    exact running max), ``return_o_lo`` and ``return_max_logits`` bool.
+    ``None`` (one logit per head, natural-log units, in the softmax denominator, no value). An
+    empty slot is never read: no value of the row its index would name (NaN included) may reach
+    a result. ``sm_scale`` float, ``d_v <= d_qk`` int, ``rescale_threshold`` float in log2 units
+    (0.0 = exact running max; the op has checked it against
+    :data:`mla_inductor.validation.MAX_RESCALE_THRESHOLD`), ``return_o_lo`` and
+    ``return_max_logits`` bool.
     Returns contiguous ``out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` float32 natural log,
     the sink included (a row with no valid slot: out 0, lse = its head's sink, -inf without
-    one), ``o_lo = float32(O) - out`` rounded to q's dtype, ``[T, H, d_v]``, when
-    ``return_o_lo`` else ``q.new_empty(0)`` (the residual is about 2**-9 of ``out`` in bf16 and
-    its own rounding about 2**-9 of the residual, so ``out + o_lo`` carries O to about 2**-17),
-    and ``max_logits [T, H]`` float32 (the maximum of ``sm_scale * q.k`` over the valid slots,
-    -inf for none; the true maximum under any threshold) when ``return_max_logits`` else an
-    empty float32 tensor.
+    one; NaN where a score is NaN or +inf), ``o_lo = float32(O) - out`` rounded to q's dtype,
+    ``[T, H, d_v]``, when ``return_o_lo`` else ``q.new_empty(0)`` (the residual is about 2**-9
+    of ``out`` in bf16 and its own rounding about 2**-9 of the residual, so ``out + o_lo``
+    carries O to about 2**-17), and ``max_logits [T, H]`` float32 (the maximum of
+    ``sm_scale * q.k`` over the valid slots, -inf for none; the true maximum under any
+    threshold) when ``return_max_logits`` else an empty float32 tensor.
 
 ``backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
 sm_scale, d_v) -> (dq, dkv, d_sink)``
