@@ -164,7 +164,7 @@ class GraphModule(torch.nn.Module):
         l_kv_ = L_kv_
         l_idx_ = L_idx_
 
-        sparse_mla = torch.ops.mla_inductor.sparse_mla(l_q_, l_kv_, l_idx_, None, 0.125, 16, None);  l_q_ = l_kv_ = l_idx_ = None
+        sparse_mla = torch.ops.mla_inductor.sparse_mla(l_q_, l_kv_, l_idx_, None, None, None, False, 0.125, 16, None, False);  l_q_ = l_kv_ = l_idx_ = None
         out: "f32[8, 4, 16]" = sparse_mla[0];  sparse_mla = None
         return (out,)
 """,
@@ -173,7 +173,7 @@ class GraphModule(torch.nn.Module):
     fw_calls = [n for n in backend.fw_graphs[0].graph.nodes if n.target == torch.ops.mla_inductor.sparse_mla_fwd.default]
     bw_calls = [n for n in backend.bw_graphs[0].graph.nodes if n.target == torch.ops.mla_inductor.sparse_mla_bwd.default]
     assert len(fw_calls) == 1 and len(bw_calls) == 1
-    assert fw_calls[0].args[4:] == (0.125, DV, 0.0, True)
+    assert fw_calls[0].args[4:] == (None, None, 0.125, DV, 0.0, True, False)
 
 
 _LOGGED_RUN = """
@@ -221,6 +221,6 @@ def test_export_logs_what_the_exported_program_does(caplog):
     assert torch.ops.mla_inductor.sparse_mla.default in ops
     assert not [m for m in at_export if m.startswith("sparse_mla capture")]
     fwd = [n for n in decomposed.graph.nodes if n.target == torch.ops.mla_inductor.sparse_mla_fwd.default]
-    assert len(fwd) == 1 and fwd[0].args[6] == 8.0
+    assert len(fwd) == 1 and fwd[0].args[8] == 8.0
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sparse_mla capture")]
     assert lines == ["sparse_mla capture: inference graph, rescale_threshold=8.0 (inference: grad mode is off)"]

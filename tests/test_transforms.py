@@ -45,7 +45,7 @@ def test_forward_mode_ad_is_refused(op, dual):
     call = {
         "sparse_mla": lambda q, kv: _attend(q, kv, idx),
         "sparse_mla_fwd": lambda q, kv: torch.ops.mla_inductor.sparse_mla_fwd(
-            q, kv, idx, None, 0.25, DV, 0.0, False),
+            q, kv, idx, None, None, None, 0.25, DV, 0.0, False, False),
     }[op]
     with fwAD.dual_level(), pytest.raises(RuntimeError, match=r"^sparse_mla: forward-mode AD"):
         if dual == "q":

@@ -569,7 +569,9 @@ class SparseMlaFwdSm90:
             has = rs > 0.0
             inv[r] = cutlass.select_(has, scale / rs, Float32(0.0))
             if const_expr(role == 0):
-                lse = cutlass.select_(has, m * LN2 + cute.math.log(rs), -Float32.inf)
+                # -inf only for a row sum of exactly 0 (no valid slot): a NaN row sum (a NaN or
+                # +inf score) gives a NaN lse, as the reference's
+                lse = cutlass.select_(rs == 0.0, -Float32.inf, m * LN2 + cute.math.log(rs))
                 if lane % 4 == 0:
                     if head < num_heads:
                         mLSE[t, head] = lse
