@@ -1,16 +1,19 @@
 """The package's import graph: the tools (the bench command, the numerics module and CLI, the
-demo) sit on top of the op, nothing below imports them, and no modules import each other in a
-circle. Read from the source (every ``import`` statement, also those inside functions)."""
+demo) and the integrations with other libraries sit on top of the op, nothing below imports them,
+and no modules import each other in a circle. Read from the source (every ``import`` statement,
+also those inside functions); and importing the package imports none of the integrated libraries."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import mla_inductor
 
 ROOT = pathlib.Path(mla_inductor.__file__).parent
-TOOLS = ("mla_inductor.bench", "mla_inductor.demo", "mla_inductor.numerics")
+TOOLS = ("mla_inductor.bench", "mla_inductor.demo", "mla_inductor.numerics", "mla_inductor.integrations")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -84,3 +87,9 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+def test_importing_the_package_imports_no_integrated_library():
+    code = "import sys, mla_inductor; print(sorted({'transformers'} & set(sys.modules)))"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "[]"

@@ -1,0 +1,211 @@
+"""Hugging Face transformers' DSA models (DeepSeek-V3.2, GLM-5) on :func:`mla_inductor.sparse_mla`.
+
+transformers 5.24's ``DeepseekV32Attention`` (``models/deepseek_v32``) and ``GlmMoeDsaAttention``
+(``models/glm_moe_dsa``) expand the latent kv into per-head keys (``qk_nope + qk_rope`` wide) and
+values (``v_head_dim``) and fold the indexer's top-k into a dense ``[B, 1, S, T]`` mask over full
+attention: O(S·T) memory and time per head. :func:`apply` makes each such layer compute the same
+attention in the absorbed MLA form instead (DeepSeek-V2, arXiv:2405.04434, section 2.1.2: W^UK
+absorbed into the query, W^UV into the output; DSA on MLA's MQA mode, DeepSeek-V3.2-Exp, 2025):
+
+- ``q_lat[h] = q_nope[h] @ W_uk[h]`` (``[B, T, H, kv_lora_rank]``), query ``cat(q_lat, q_rope)``;
+- one latent row per token, ``kv = cat(kv_a_layernorm(c), k_rope)`` (``[B, S, kv_lora_rank +
+  qk_rope]``): the tensors the model's cache already holds;
+- ``o_lat = sparse_mla(q, kv, top-k, sm_scale=layer.scaling, d_v=kv_lora_rank)``, then
+  ``out[h] = o_lat[h] @ W_uv[h]ᵀ`` and the layer's ``o_proj``.
+
+``W_uk`` / ``W_uv`` are views of ``kv_b_proj.weight`` taken at every call: no copies, so training
+updates the model's own parameters. The indexer, the RoPE and every projection are the layer's
+own modules and functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as _dsv32
+from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as _glm
+
+from ..api import sparse_mla
+
+# The attention classes switched, each with its model's RoPE (interleaved pairs) and whether its
+# forward also returns the top-k (GLM passes it to the next layer, whose "shared" indexer reuses it).
+_LAYERS = {
+    _dsv32.DeepseekV32Attention: (_dsv32.apply_rotary_pos_emb_interleave, False),
+    _glm.GlmMoeDsaAttention: (_glm.apply_rotary_pos_emb_interleave, True),
+}
+
+
+def _hide_masked(indices: Tensor, attention_mask: Tensor) -> Tensor:
+    """``indices [B, T, topk]`` with every slot whose key the model's own mask hides set to -1,
+    the op's empty slot. ``attention_mask [B or 1, 1, T, S]`` as transformers builds it: bool
+    (True = seen) or additive float (0 = seen, the dtype's minimum or -inf = hidden; other
+    additive values are not applied, these models have none).
+
+    The mask carries the future positions (the indexer's top-k names them when fewer than topk
+    keys are visible), padding, the other sequences of a packed batch and a static cache's
+    unfilled rows. The op's causal argument (once it has one) covers only the first of these,
+    so the mask is read here in either case.
+    """
+    B, T, _ = indices.shape
+    mask = attention_mask[:, 0].expand(B, T, -1).gather(-1, indices.long())
+    seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    return torch.where(seen, indices, -1)
+
+
+def _absorbed_attention(attn, rope, hidden_states, position_embeddings, attention_mask, cache,
+                        position_ids, prev_topk_indices, kwargs) -> tuple[Tensor, Tensor]:
+    """One layer's attention in the absorbed form (the module docstring); returns the layer's
+    output ``[B, T, hidden_size]`` and the indexer's top-k ``[B, T, topk]`` int32."""
+    if attention_mask is None:
+        raise RuntimeError(
+            "mla_inductor: the switched DSA attention needs the model's 4D attention mask "
+            "[B, 1, T, S]; call the layer as the model does (the model always builds one)"
+        )
+    if attn.training and attn.attention_dropout:
+        raise RuntimeError(
+            f"mla_inductor: attention_dropout={attn.attention_dropout} is not supported on "
+            "sparse_mla; set model.config.attention_dropout = 0.0 and every layer's "
+            "attention_dropout to 0.0, or mla_inductor.integrations.transformers.remove(model)"
+        )
+    B, T = hidden_states.shape[:-1]
+    H, nope, rope_dim = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim
+    rank, v_dim = attn.kv_lora_rank, attn.v_head_dim
+
+    q_resid = attn.q_a_layernorm(attn.q_a_proj(hidden_states))
+    q_nope, q_rope = attn.q_b_proj(q_resid).view(B, T, H, nope + rope_dim).split([nope, rope_dim], -1)
+    latent, k_rope = attn.kv_a_proj_with_mqa(hidden_states).split([rank, rope_dim], -1)
+    cos, sin = position_embeddings
+    q_rope, k_rope = rope(q_rope, k_rope.unsqueeze(2), cos, sin, unsqueeze_dim=2)
+    # [B, 1, T, .]: the layout the model's cache stores (and the original forward writes).
+    latent = attn.kv_a_layernorm(latent).unsqueeze(1)
+    k_rope = k_rope.transpose(1, 2)
+    if cache is not None:
+        latent, k_rope = cache.update(latent, k_rope, attn.layer_idx, kwargs=kwargs)
+    kv = torch.cat((latent, k_rope), -1)[:, 0]  # [B, S, rank + rope_dim]
+
+    if attn.indexer is not None:
+        topk = attn.indexer(hidden_states, q_resid, position_embeddings, attention_mask[:, 0],
+                            position_ids, cache=cache)
+    elif prev_topk_indices is None:
+        raise RuntimeError(
+            f"mla_inductor: layer {attn.layer_idx} reuses the previous layer's top-k (a 'shared' "
+            "indexer layer) but got prev_topk_indices=None; run it inside its model, after a "
+            "'full' indexer layer"
+        )
+    else:
+        topk = prev_topk_indices
+
+    w = attn.kv_b_proj.weight.view(H, nope + v_dim, rank)
+    q = torch.cat((torch.einsum("bthn,hnr->bthr", q_nope, w[:, :nope]), q_rope), -1)
+    o_lat = sparse_mla(q, kv, _hide_masked(topk, attention_mask), sm_scale=attn.scaling, d_v=rank)
+    out = torch.einsum("bthr,hvr->bthv", o_lat, w[:, nope:]).reshape(B, T, H * v_dim)
+    return attn.o_proj(out), topk
+
+
+def _forward(attn, hidden_states, position_embeddings, attention_mask, cache=None,
+             position_ids=None, prev_topk_indices=None, **kwargs):
+    """The switched layer's forward, bound to the layer as a method (so that ``copy.deepcopy`` of a
+    switched model binds the copy's own layer). Takes what transformers' forward takes."""
+    rope, returns_topk = _LAYERS[type(attn)]
+    out, topk = _absorbed_attention(attn, rope, hidden_states, position_embeddings, attention_mask,
+                                    cache, position_ids, prev_topk_indices, kwargs)
+    return (out, None, topk) if returns_topk else (out, None)
+
+
+def _is_switched(attn: nn.Module) -> bool:
+    return getattr(attn.__dict__.get("forward"), "__func__", None) is _forward
+
+
+def _dsa_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    layers = [(name, m) for name, m in model.named_modules() if type(m) in _LAYERS]
+    if not layers:
+        raise ValueError(
+            f"mla_inductor: {type(model).__name__} has no DSA attention layer (transformers' "
+            f"{' or '.join(cls.__name__ for cls in _LAYERS)}); pass a model of "
+            "models/deepseek_v32 or models/glm_moe_dsa (DeepSeek-V3.2, GLM-5)"
+        )
+    return layers
+
+
+def _apply(model: nn.Module) -> list[nn.Module]:
+    switched = []
+    for name, attn in _dsa_layers(model):
+        if _is_switched(attn):
+            continue
+        if "forward" in attn.__dict__:
+            raise RuntimeError(
+                f"mla_inductor: {name}.forward is already replaced on the instance (for example "
+                "by accelerate's device_map or offloading hooks); switching it would drop that "
+                "wrapper. Apply to a model without such hooks"
+            )
+        attn.forward = types.MethodType(_forward, attn)
+        switched.append(attn)
+    return switched
+
+
+def apply(model: nn.Module) -> int:
+    """Switches every ``DeepseekV32Attention`` and ``GlmMoeDsaAttention`` of ``model`` (any module
+    tree containing them, e.g. a ``*ForCausalLM``) to the absorbed form on :func:`sparse_mla`.
+
+    Each layer keeps its own parameters and submodules (nothing is copied or added to the state
+    dict); its softmax scale (``layer.scaling``, YaRN's mscale included), its indexer (GLM's
+    "shared" layers keep reusing the previous layer's top-k) and the model's attention mask
+    (causality, padding, packed sequences) decide what each token attends to. Prefill, training
+    and generation all run on the op: with a cache, the layer writes and reads the model's own
+    cache, which already holds the latent rows (``kv_a_layernorm(c)`` and the roped ``k_rope``).
+    Inputs as the model takes them: float32 on the CPU (the op's reference backend); on a GPU,
+    bf16 runs on the op's kernels where they cover ``(d_qk, d_v) = (kv_lora_rank +
+    qk_rope_head_dim, kv_lora_rank)``: (576, 512) for both released models (other shapes fall back
+    to the reference with a warning). The layer returns no attention weights (``None``). The
+    indexer and the model's mask stay transformers' own, so they still cost O(T·S) (the
+    indexer's scores are ``[B, T, index_n_heads, S]`` float32); the attention itself reads only
+    the top-k rows.
+
+    Returns:
+        The number of layers this call switched (layers already switched are left as they are).
+
+    Raises:
+        ValueError: ``model`` has no such layer.
+        RuntimeError: a layer's ``forward`` is already replaced on the instance (accelerate's
+            hooks), which switching would drop. At call time: ``attention_dropout > 0`` while
+            training, a missing attention mask, a shared-top-k layer called without
+            ``prev_topk_indices``, and :func:`sparse_mla`'s own checks.
+    """
+    return len(_apply(model))
+
+
+def _remove(layers) -> None:
+    for attn in layers:
+        if _is_switched(attn):
+            del attn.forward
+
+
+def remove(model: nn.Module) -> int:
+    """Puts every switched DSA attention layer of ``model`` back on transformers' own forward
+    (bitwise the model's outputs before :func:`apply`).
+
+    Returns:
+        The number of layers switched back.
+
+    Raises:
+        ValueError: ``model`` has no DSA attention layer.
+    """
+    layers = [attn for _, attn in _dsa_layers(model) if _is_switched(attn)]
+    _remove(layers)
+    return len(layers)
+
+
+@contextlib.contextmanager
+def switched(model: nn.Module) -> Iterator[int]:
+    """``with switched(model) as n:`` runs the block with :func:`apply` in effect (``n`` layers
+    switched) and switches exactly those layers back on exit, also on an exception. Raises as
+    :func:`apply`."""
+    layers = _apply(model)
+    try:
+        yield len(layers)
+    finally:
+        _remove(layers)

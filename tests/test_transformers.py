@@ -1,0 +1,199 @@
+"""mla_inductor.integrations.transformers: tiny random-init DeepSeek-V3.2 and GLM-5 (transformers
+5.24) switched to the op, against the same model unswitched on transformers' eager attention (the
+independent reference: per-head expanded keys and values under the dense top-k mask). float32,
+CPU (the reference backend)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mla_inductor.integrations import transformers as hf
+from transformers import (
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+    GlmMoeDsaConfig,
+    GlmMoeDsaForCausalLM,
+)
+
+from conftest import rel_l2
+
+VOCAB = 128
+# 2 layers, H 4, topk 16 over T 64-128; layer 1 is a mixture of experts.
+TINY = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+    n_group=1, topk_group=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+    kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=16,
+    index_head_dim=16, index_n_heads=2, max_position_embeddings=256, attn_implementation="eager",
+)
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+MODELS = {
+    "deepseek_v32": lambda: DeepseekV32ForCausalLM(DeepseekV32Config(**TINY)),
+    "deepseek_v32_yarn": lambda: DeepseekV32ForCausalLM(DeepseekV32Config(**TINY, rope_parameters=YARN)),
+    # layer 1 reuses layer 0's top-k (a "shared" indexer layer, no indexer of its own)
+    "glm_moe_dsa": lambda: GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**TINY, indexer_types=["full", "shared"])),
+}
+
+
+def _model(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = MODELS[name]().eval()
+    if name == "glm_moe_dsa":
+        assert model.model.layers[1].self_attn.indexer is None
+    if name == "deepseek_v32_yarn":
+        assert model.model.layers[0].self_attn.scaling != model.config.qk_head_dim**-0.5
+    return model
+
+
+def _ids(B: int, T: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_match_eager_and_remove_restores_bitwise(name):
+    model = _model(name)
+    ids = _ids(2, 128 if name == "deepseek_v32_yarn" else 64)
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits
+        params = [(k, p.data_ptr()) for k, p in model.named_parameters()]
+        assert hf.apply(model) == 2
+        assert hf.apply(model) == 0  # already switched
+        assert [(k, p.data_ptr()) for k, p in model.named_parameters()] == params  # no copies
+        out = model(ids, use_cache=False).logits
+        assert hf.remove(model) == 2
+        back = model(ids, use_cache=False).logits
+    assert rel_l2(out, ref) <= 1e-5
+    assert torch.equal(back, ref)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_gradients_match_eager(name):
+    model = _model(name).train()
+    ids = _ids(2, 64)
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        return {k: p.grad for k, p in model.named_parameters()}
+
+    ref = grads()
+    with hf.switched(model) as n:
+        assert n == 2
+        ours = grads()
+    assert {k for k, g in ours.items() if g is None} == {k for k, g in ref.items() if g is None}
+    assert any("kv_b_proj" in k for k, g in ours.items() if g is not None)
+    worst = max((rel_l2(ours[k], g), k) for k, g in ref.items() if g is not None)
+    assert worst[0] <= 1e-4, worst
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_batch_with_left_padding(name):
+    """Row 1 is left-padded by 10 tokens; the switched model also runs on the sdpa mask (bool), the
+    reference on the eager one (additive float). Pad positions themselves are not compared."""
+    model = _model(name)
+    ids = _ids(2, 64)
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, use_cache=False).logits
+        hf.apply(model)
+        out = model(ids, attention_mask=mask, use_cache=False).logits
+        model.set_attn_implementation("sdpa")
+        out_bool = model(ids, attention_mask=mask, use_cache=False).logits
+    keep = mask.bool()
+    assert rel_l2(out[keep], ref[keep]) <= 1e-5
+    assert rel_l2(out_bool[keep], ref[keep]) <= 1e-5
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_greedy_generation_with_cache(name, cache, monkeypatch):
+    """8 greedy tokens from 40-token prompts (topk 16 < the context); the prefill and every decode
+    step read the model's cache through the op. The static cache's run is a batch of 2, one row
+    left-padded by 7 tokens (its unfilled rows and the padding are hidden by the mask)."""
+    model = _model(name)
+    B = 1 if cache == "dynamic" else 2
+    ids = _ids(B, 40)
+    mask = torch.ones_like(ids)
+    mask[1:, :7] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                  pad_token_id=0, cache_implementation=cache)
+    with torch.no_grad():
+        ref = model.generate(ids, **kwargs)
+        calls, op = [], hf.sparse_mla
+
+        def counted(q, *args, **kwargs):
+            calls.append(q.shape[1])
+            return op(q, *args, **kwargs)
+
+        monkeypatch.setattr(hf, "sparse_mla", counted)
+        hf.apply(model)
+        out = model.generate(ids, **kwargs)
+    assert out.shape == (B, 48)
+    assert torch.equal(out, ref)
+    assert calls == [40, 40] + [1, 1] * 7  # prefill, then one token per layer and step
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_decoder_layer_compiles_fullgraph(name):
+    """A switched decoder layer under torch.compile(fullgraph=True) (a graph break raises), forward
+    and backward, matches the same layer in eager."""
+    model = _model(name).train()
+    hf.apply(model)
+    layer = model.model.layers[0]
+    B, T = 2, 64
+    x = torch.randn(B, T, model.config.hidden_size, requires_grad=True)
+    pos = torch.arange(T)[None]
+    rope = model.model.rotary_emb(x, pos)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    mask = torch.zeros(B, 1, T, T).masked_fill(future, torch.finfo(torch.float32).min)
+
+    def run(fn):
+        out = fn(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+        out = out[0] if isinstance(out, tuple) else out  # GLM's layer also returns its top-k
+        params = [x, *layer.parameters()]
+        return [out, *torch.autograd.grad(out.square().sum(), params, allow_unused=True)]
+
+    eager = run(layer)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    for c, e in zip(compiled, eager):
+        assert (c is None) == (e is None)
+        if e is not None:
+            assert rel_l2(c, e) <= 1e-6
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="^mla_inductor: Sequential has no DSA attention layer"):
+        hf.apply(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="^mla_inductor: Linear has no DSA attention layer"):
+        hf.remove(nn.Linear(2, 2))
+    model = _model("deepseek_v32").train()
+    attn = model.model.layers[0].self_attn
+    attn.forward = attn.forward  # an instance-level wrapper, as accelerate's hooks install
+    with pytest.raises(RuntimeError, match="^mla_inductor: model.layers.0.self_attn.forward is already"):
+        hf.apply(model)
+    del attn.forward
+    hf.apply(model)
+    attn.attention_dropout = 0.1
+    with pytest.raises(RuntimeError, match="^mla_inductor: attention_dropout=0.1 is not supported"):
+        model(_ids(1, 8), use_cache=False)
+
+
+def test_deepcopy_of_a_switched_model_runs_its_own_weights():
+    model = _model("deepseek_v32")
+    hf.apply(model)
+    twin = copy.deepcopy(model)
+    attn = twin.model.layers[0].self_attn
+    assert attn.forward.__self__ is attn
+    ids = _ids(1, 32)
+    with torch.no_grad():
+        before = model(ids, use_cache=False).logits
+        attn.kv_b_proj.weight.mul_(2)
+        assert torch.equal(model(ids, use_cache=False).logits, before)
+        assert not torch.equal(twin(ids, use_cache=False).logits, before)
