@@ -9,12 +9,16 @@ import pytest
 import torch
 
 
-def reference_sparse_mla_fp64(q, kv, indices, topk_length=None, sm_scale=None, d_v=512):
+def reference_sparse_mla_fp64(q, kv, indices, topk_length=None, sm_scale=None, d_v=512, *,
+                              q_positions=None, attn_sink=None, return_max_logits=False):
     """Dense fp64 sparse MLA, written independently of the package (autograd-differentiable).
 
     ``q [T, H, d_qk]``, ``kv [S, d_qk]``, ``indices [T, topk]`` (any integer dtype; < 0 or >= S
-    is an empty slot), ``topk_length [T]`` or None. Returns ``(out [T, H, d_v], lse [T, H])`` in
-    float64, lse natural log; rows with no valid slot give out 0 and lse -inf. Rows of kv that
+    is an empty slot), ``topk_length [T]`` or None, ``q_positions [T]`` or None (a slot naming a
+    key past the token's position is empty), ``attn_sink [H]`` or None (a logit per head in the
+    denominator, no value). Returns ``(out [T, H, d_v], lse [T, H])`` in float64, lse natural log
+    (the sink included), and ``max_logits [T, H]`` (the sink not included) when asked; rows with
+    no valid slot give out 0, lse = the sink (-inf without one) and max_logits -inf. Rows of kv that
     no valid slot names may hold anything (NaN, inf): they never reach a result. The rows that
     are named must be finite (the one-hot product would spread a NaN to every token).
     """
@@ -27,6 +31,8 @@ def reference_sparse_mla_fp64(q, kv, indices, topk_length=None, sm_scale=None, d
     valid = (idx >= 0) & (idx < S)
     if topk_length is not None:
         valid &= torch.arange(idx.shape[1], device=idx.device)[None, :] < topk_length.long()[:, None]
+    if q_positions is not None:
+        valid &= idx <= q_positions.long()[:, None]
     # One-hot selection matrix [T, topk, S] keeps the reference free of gathers. Rows no valid
     # slot names are zeroed first: 0 * NaN would otherwise carry their values into every key.
     onehot = torch.zeros(T, idx.shape[1], S, dtype=torch.float64, device=q.device)
@@ -36,9 +42,14 @@ def reference_sparse_mla_fp64(q, kv, indices, topk_length=None, sm_scale=None, d
     keys = onehot @ torch.where(named[:, None], kv64, 0.0)  # [T, topk, d_qk]
     s = torch.einsum("thd,tkd->thk", q64, keys) * sm_scale
     s = s.masked_fill(~valid[:, None, :], -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
+    full = s
+    if attn_sink is not None:
+        full = torch.cat((s, attn_sink.double()[None, :, None].expand(T, H, 1)), dim=-1)
+    lse = torch.logsumexp(full, dim=-1)
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     out = torch.einsum("thk,tkd->thd", p, keys[..., :d_v])
+    if return_max_logits:
+        return out, lse, s.detach().amax(dim=-1)
     return out, lse
 
 
