@@ -18,6 +18,7 @@ import argparse
 import torch
 
 from ..kernels import reference
+from .fwd import feature_arguments
 from .problems import KV_LENGTHS, add_shape_arguments, make_indices, require_sm90
 from .timing import PROTOCOLS, add_protocol_argument, time_ms
 
@@ -43,7 +44,7 @@ def _rel_l2(a, b, rows=4096):
 
 
 def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, protocol="sustained",
-              kv_per_token=2):
+              kv_per_token=2, features=False):
     """Prints one line: the sm90 backward's time (ms) and TFLOPS at ``T`` tokens, S =
     ``kv_per_token`` x T, ``H`` heads, bf16, ``pattern`` indices (see
     :func:`mla_inductor.bench.problems.make_indices`), the same backward without o_lo (dpsum
@@ -67,6 +68,14 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
     fns = {"sm90": lambda: bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v),
            "sm90, no o_lo": lambda: bwd.backward(dout, q, kv, idx, None, out, lse, no_o_lo,
                                                  sm_scale, d_v)}
+    if features:  # each DSA feature's backward against the plain one (the same out / lse)
+        extra = feature_arguments(T, S, H)
+        pos, sink = extra["causal"][0], extra["sink"][1]
+        dlse = torch.randn(T, H, device="cuda", generator=g)
+        for name, kwargs in (("causal", dict(q_positions=pos)), ("sink", dict(attn_sink=sink)),
+                             ("dlse", dict(dlse=dlse))):
+            fns[f"sm90 + {name}"] = (lambda kwargs=kwargs: bwd.backward(
+                dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v, **kwargs))
     cudnn_bwd = _cudnn_backward()
     if cudnn_bwd is not None:
         sink = torch.full((H,), float("-inf"), dtype=torch.float32, device="cuda")
@@ -83,6 +92,9 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
         agree = max(_rel_l2(ours[0], theirs["dq"]), _rel_l2(ours[1], theirs["dkv"]))
         line += f" | cuDNN {cudnn_ms:8.3f} ms {flops / cudnn_ms / 1e9:7.1f} TFLOPS " \
                 f"(ours/cuDNN {cudnn_ms / ms:.2f}x, gradients agree to rel-L2 {agree:.1e})"
+    for name in ("causal", "sink", "dlse"):
+        if f"sm90 + {name}" in times:
+            line += f" | + {name} {times[f'sm90 + {name}'] / ms:.3f}x time"
     if with_reference:
         ref_ms = time_ms(lambda: reference.backward(dout, None, q, kv, idx, None, None, None, out,
                                                     lse, o_lo, sm_scale, d_v))
@@ -96,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_protocol_argument(parser)
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the (slow) PyTorch reference column")
+    parser.add_argument("--features", action="store_true",
+                        help="also time the backward with causal positions, a sink (and its "
+                             "gradient), and a gradient through lse, each against the plain one")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -108,4 +123,5 @@ def run(args: argparse.Namespace) -> None:
             for pattern in args.indices:
                 bench_row(T, H, args.topk, pattern,
                           with_reference=not args.no_reference and T <= 4096,
-                          protocol=args.protocol, kv_per_token=KV_LENGTHS[args.S])
+                          protocol=args.protocol, kv_per_token=KV_LENGTHS[args.S],
+                          features=args.features)

@@ -53,12 +53,24 @@ def _flashmla_forward():
     return fmla_sm90.sparse_prefill_fwd
 
 
-def bench_fwd(Ts, Hs, topk, patterns=PATTERNS, protocol="sustained", kv_per_token=2):
+def feature_arguments(T: int, S: int, H: int) -> dict:
+    """The DSA features each timed against the plain call (``--features``): ``{name: (q_positions,
+    attn_sink, return_max_logits)}`` with causal positions ``S - T + t`` and a sink of
+    ``N(0, 1)`` logits."""
+    positions = (torch.arange(T, device="cuda") + (S - T)).int()
+    sink = torch.randn(H, device="cuda")
+    return {"causal": (positions, None, False), "sink": (None, sink, False),
+            "max_logits": (None, None, True)}
+
+
+def bench_fwd(Ts, Hs, topk, patterns=PATTERNS, protocol="sustained", kv_per_token=2,
+              features=False):
     """Prints the forward table (module docstring) for token counts ``Ts`` (S = ``kv_per_token``
     x T) and head counts ``Hs`` at d_qk 576 / d_v 512, bf16, timed under ``protocol`` (a key of
     :data:`mla_inductor.bench.timing.PROTOCOLS`), with FlashMLA's forward (H 64 or 128, when
-    ``fmla_sm90`` is importable) in the same interleaved rounds. Exits with a message when sm90
-    cannot run here."""
+    ``fmla_sm90`` is importable) in the same interleaved rounds; with ``features``, the exact
+    forward with each DSA feature of :func:`feature_arguments` too. Exits with a message when
+    sm90 cannot run here."""
     from mla_inductor.kernels import sm90
 
     require_sm90("forward")
@@ -84,6 +96,12 @@ def bench_fwd(Ts, Hs, topk, patterns=PATTERNS, protocol="sustained", kv_per_toke
                                         o_lo, False))
                     for mode, (thr, o_lo) in MODES.items()
                 }
+                if features:
+                    for name, (pos, sink, max_logits) in feature_arguments(T, S, H).items():
+                        fns[f"exact + {name}"] = (
+                            lambda pos=pos, sink=sink, max_logits=max_logits: sm90.forward(
+                                q, kv, indices, None, pos, sink, sm_scale, D_V, 0.0, False,
+                                max_logits))
                 if flashmla is not None and H in (64, 128):
                     fns["FlashMLA"] = lambda: flashmla(q, kv[:, None], indices[:, None], sm_scale,
                                                        D_V, None, None)
@@ -106,9 +124,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``fwd`` subcommand's flags: the shapes and ``--protocol``."""
     add_shape_arguments(parser)
     add_protocol_argument(parser)
+    parser.add_argument("--features", action="store_true",
+                        help="also time the exact forward with causal positions, a sink, and "
+                             "max_logits (each against the plain call)")
 
 
 def run(args: argparse.Namespace) -> None:
     """Runs the subcommand for parsed flags (:func:`add_arguments`)."""
     bench_fwd(args.T, args.H, args.topk, patterns=args.indices, protocol=args.protocol,
-              kv_per_token=KV_LENGTHS[args.S])
+              kv_per_token=KV_LENGTHS[args.S], features=args.features)
