@@ -1,7 +1,9 @@
-"""DSA features of the public op on every backend of this machine, against the fp64 reference:
-causal masking (default and given positions, batched and packed), the attention sink (-inf, 0,
-large; its gradient), gradients through lse, max_logits under both thresholds, and one
-fullgraph-compiled graph over several token counts.
+"""DSA features of the public op on the CPU backends (reference, emulate) against the fp64
+reference: causal masking (default and given positions, batched and packed), the attention sink
+(-inf, 0, large; its gradient), gradients through lse, max_logits under both thresholds, and one
+fullgraph-compiled graph over several token counts. Small widths in float32, which only these
+backends take; the SM90 kernels' features are tested at their widths in
+``tests/test_sm90_features.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import backend_device, backend_params, reference_sparse_mla_fp64, rel_l2
+from conftest import CPU_BACKENDS, backend_device, backend_params, reference_sparse_mla_fp64, rel_l2
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from mla_inductor import sparse_mla, use_backend
@@ -78,13 +80,13 @@ def _check_against_fp64(backend, q, kv, idx, *, topk_length=None, causal=False, 
     return out, lse
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", backend_params(CPU_BACKENDS))
 def test_causal_default_positions_are_bottom_right(backend):
     q, kv, idx = _inputs(T=12, H=4, S=20, topk=16, seed=0)
     _check_against_fp64(backend, q, kv, idx, causal=True)
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", backend_params(CPU_BACKENDS))
 def test_causal_with_positions_packed_sequences(backend):
     """Two sequences packed into one kv: global indices, global positions."""
     q, kv, idx = _inputs(T=14, H=2, S=14, topk=10, seed=1)
@@ -94,7 +96,7 @@ def test_causal_with_positions_packed_sequences(backend):
     assert torch.isinf(lse[0].cpu()).all()
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", backend_params(CPU_BACKENDS))
 @pytest.mark.parametrize("layout", ["batched_default", "batched_positions"])
 def test_causal_batched_matches_each_batch_element(backend, layout):
     B, T, H, S, topk = 2, 5, 3, 9, 8
@@ -115,7 +117,7 @@ def test_causal_batched_matches_each_batch_element(backend, layout):
         torch.testing.assert_close(lse[b].cpu().double(), lse64, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", backend_params(CPU_BACKENDS))
 @pytest.mark.parametrize("sink", ["minus_inf", "zero", "large", "mixed"])
 def test_attention_sink_values_and_gradients(backend, sink):
     q, kv, idx = _inputs(T=10, H=4, S=16, topk=12, seed=3)
@@ -132,7 +134,7 @@ def test_attention_sink_values_and_gradients(backend, sink):
     torch.testing.assert_close(lse[2].cpu(), values)
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", backend_params(CPU_BACKENDS))
 def test_gradient_through_lse_alone(backend):
     """Merging partial results uses lse only: its gradient reaches q and kv."""
     dev = backend_device(backend)
@@ -148,7 +150,7 @@ def test_gradient_through_lse_alone(backend):
     assert rel_l2(dq.cpu(), dq64) < 1e-5 and rel_l2(dkv.cpu(), dkv64) < 1e-5
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", backend_params(CPU_BACKENDS))
 @pytest.mark.parametrize("threshold", [0.0, 8.0])
 def test_max_logits_is_the_true_max_under_either_threshold(backend, threshold):
     """On peaked rows walked with the lazy rescale the running max is stale; max_logits is not."""

@@ -48,7 +48,8 @@ def _torch_lowp(q, kv, indices, topk_length, sm_scale, d_v=D_V):
 
 def _run(q, kv, indices, topk_length=None, threshold=0.0, o_lo=False, sm_scale=None, d_v=D_V):
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    return sm90.forward(q, kv, indices, topk_length, sm_scale, d_v, threshold, o_lo)
+    return sm90.forward(q, kv, indices, topk_length, None, None, sm_scale, d_v, threshold, o_lo,
+                        False)[:3]
 
 
 def _check(q, kv, indices, topk_length=None, threshold=0.0, d_v=D_V):
