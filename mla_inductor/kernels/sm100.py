@@ -116,8 +116,8 @@ def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tupl
     unmapped = sorted(UNMAPPED_FEATURES & set(features))
     if unmapped:
         return False, (
-            f"sm100 backend (FlashAttention-4): {', '.join(unmapped)} not mapped to FA4's sparse-MLA "
-            "kernels by this adapter (causal masking is)"
+            f"sm100 backend (FlashAttention-4): {', '.join(unmapped)} not mapped to FA4's "
+            "sparse-MLA kernels by this adapter (causal masking is)"
         )
     if T > MAX_TOKENS:
         return False, (
@@ -524,7 +524,8 @@ def precompile(
                 q = torch.empty(tokens, h, d_qk, dtype=dtype, device="cuda")
                 indices = torch.empty(tokens, k, dtype=torch.int32, device="cuda")
                 for threshold, return_o_lo in modes:
-                    forward(q, kv, indices, None, None, None, scale, d_v, threshold, return_o_lo, False)
+                    forward(q, kv, indices, None, None, None, scale, d_v, threshold,
+                            return_o_lo, False)
             if compile_backward:
                 out = torch.empty(tokens, h, d_v, dtype=dtype, device="cuda")
                 lse = torch.empty(tokens, h, dtype=torch.float32, device="cuda")

@@ -164,7 +164,8 @@ class SparseMlaBackwardSm90:
                  has_o_lo: bool = True, has_positions: bool = False, has_dlse: bool = False,
                  writes_dpsum: bool = False):
         self.has_o_lo = has_o_lo
-        self.has_positions = has_positions  # causal: slots naming a key past q_positions[t] are empty
+        # causal: slots naming a key past q_positions[t] are empty
+        self.has_positions = has_positions
         self.has_dlse = has_dlse  # the backward uses dpsum - dlse
         self.writes_dpsum = writes_dpsum  # dpsum (- dlse) to global, for the sink's gradient
         self.dtype = dtype
