@@ -15,4 +15,5 @@ if torch.distributed.is_available():  # DTensor sharding rules for the ops (mla_
     from . import distributed
 
     distributed.register()
+
 __all__ = ["sparse_mla", "use_backend", "precompile", "__version__"]

@@ -43,8 +43,8 @@ import torch
 
 
 def register() -> None:
-    """Registers the rules with DTensor's sharding propagator (idempotent: a second call
-    replaces the rules with the same ones). Call only where ``torch.distributed.is_available()``."""
+    """Registers the rules with DTensor's sharding propagator (a second call replaces them with
+    the same ones). Call only where ``torch.distributed.is_available()``."""
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 

@@ -4,7 +4,8 @@ of 2 and 4 ranks on CPU, every result equal to the single-process one on the ful
 One group per world size runs every check (spawning is slow) and writes, per rank, the error of
 each check or ``None``; the tests below read them. Checks: each placement of the sharding rules
 (forward values out, lse, max_logits and the gradients of q, kv and the sink, with a loss that
-reaches lse); redistributions (kv sharded on tokens, q sharded on d_qk); a 2-layer DSA model
+reaches lse); redistributions (kv sharded on tokens, q sharded on d_qk); uneven token shards;
+(4 ranks) a 2 x 2 mesh sharding tokens and heads at once; a 2-layer DSA model
 trained 3 steps under ``parallelize_module`` (tensor parallel over heads) and under
 ``fully_shard`` (FSDP2), losses equal to one process's; and (2 ranks) ``torch.compile`` with
 ``fullgraph=True`` on DTensor inputs, forward and backward.
@@ -31,7 +32,8 @@ from mla_inductor import sparse_mla
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 T, H, D_QK, D_V, S, TOPK, BATCH, DIM = 8, 4, 16, 8, 12, 6, 4, 32
-PLACEMENTS = ("replicated", "heads", "tokens", "tokens_kv_sharded", "batch", "q_sharded_on_d_qk")
+PLACEMENTS = ("replicated", "heads", "tokens", "tokens_kv_sharded", "batch", "q_sharded_on_d_qk",
+              "tokens_uneven")
 CHECKS = (*PLACEMENTS, "tp_training", "fsdp2_training")
 
 
@@ -73,9 +75,12 @@ def _check_placement(mesh, name: str) -> None:
         "tokens_kv_sharded": ((Shard(0), Shard(0), Shard(0), Shard(0), None, R), False),
         "batch": ((Shard(0),) * 5 + (R,), True),
         "q_sharded_on_d_qk": ((Shard(2), R, R, R, R, R), False),
+        "tokens_uneven": ((Shard(0), R, Shard(0), Shard(0), Shard(0), R), False),
     }
     placements, batched = cases[name]
     full = list(_inputs(batched))
+    if name == "tokens_uneven":  # T = 7 tokens: shards of 4 and 3 (2, 2, 2, 1 on 4 ranks)
+        full = [t if i in (1, 5) else t[:7] for i, t in enumerate(full)]
     if placements[4] is None:
         full[4] = None
     expected = _run(*full)
@@ -87,6 +92,24 @@ def _check_placement(mesh, name: str) -> None:
     for what, grad, placement in (("dq", got[3], placements[0]), ("dkv", got[4], placements[1]),
                                   ("d_sink", got[5], placements[5])):
         assert grad.placements == (placement,), f"{name} {what}: {grad.placements}"
+
+
+def _check_mesh_2d(mesh) -> None:
+    """A 2 x 2 mesh, context parallel x tensor parallel: q sharded on tokens and on heads, the
+    per-token tensors on tokens, the sink on heads, kv replicated; values and gradients equal to
+    the single-process ones."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    R = Replicate()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    full = _inputs(batched=False)
+    expected = _run(*full)
+    placements = ((Shard(0), Shard(1)), (R, R), (Shard(0), R), (Shard(0), R), (Shard(0), R),
+                  (R, Shard(0)))
+    got = _run(*[distribute_tensor(t, mesh, p) for t, p in zip(full, placements)])
+    for what, a, b in zip(("out", "lse", "max_logits", "dq", "dkv", "d_sink"), got, expected):
+        torch.testing.assert_close(a.full_tensor(), b, msg=lambda m: f"2-D mesh {what}: {m}")
 
 
 class Attention(nn.Module):
@@ -262,7 +285,7 @@ def two_ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    return _spawn(4, tmp_path_factory.mktemp("four"), CHECKS)
+    return _spawn(4, tmp_path_factory.mktemp("four"), (*CHECKS, "mesh_2d"))
 
 
 def _assert_passed(results: list[dict], name: str) -> None:
@@ -275,7 +298,7 @@ def test_two_ranks(two_ranks, name):
     _assert_passed(two_ranks, name)
 
 
-@pytest.mark.parametrize("name", CHECKS)
+@pytest.mark.parametrize("name", (*CHECKS, "mesh_2d"))
 def test_four_ranks(four_ranks, name):
     _assert_passed(four_ranks, name)
 
