@@ -57,11 +57,11 @@ def _mask_invalid(indices: Tensor, S) -> Tensor:
     return torch.where((indices >= 0) & (indices < S), indices, -1)
 
 
-def _arange(n, like: Tensor) -> Tensor:
-    """``arange(n)`` int64 on ``like``'s device; for a DTensor ``like`` a DTensor replicated on its
+def _arange(n, like: Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
+    """``arange(n)`` of ``dtype`` on ``like``'s device; for a DTensor ``like`` a DTensor replicated on its
     mesh (the global positions or batch offsets, of which each shard of an op reads its own
     slice: :mod:`mla_inductor.distributed`), as DTensor refuses to mix it with a plain tensor."""
-    r = torch.arange(n, device=like.device, dtype=torch.int64)
+    r = torch.arange(n, device=like.device, dtype=dtype)
     mesh = getattr(like, "device_mesh", None)
     if mesh is None:
         return r
@@ -114,7 +114,7 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
     if batched:
         check_batched_inputs(q, kv, indices, topk_length)
         B, T, S = q.shape[0], q.shape[1], kv.shape[1]
-        offsets = (_arange(B, indices).to(indices.dtype) * S).view(B, 1, 1)
+        offsets = (_arange(B, indices, indices.dtype) * S).view(B, 1, 1)
         indices = _mask_invalid(indices, S)
         indices = torch.where(indices >= 0, indices + offsets, -1).to(torch.int32)
         q = q.reshape(B * T, q.shape[2], q.shape[3])
