@@ -3,9 +3,17 @@
 Public names: :func:`sparse_mla`, :func:`use_backend`, :func:`precompile`, ``__version__``.
 """
 
+import torch
+
 from .api import sparse_mla
 from .backends import use_backend
 from .precompile import precompile
 
 __version__ = "0.1.0"
+
+if torch.distributed.is_available():  # DTensor sharding rules for the ops (mla_inductor.distributed)
+    from . import distributed
+
+    distributed.register()
+
 __all__ = ["sparse_mla", "use_backend", "precompile", "__version__"]

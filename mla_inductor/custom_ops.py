@@ -204,6 +204,15 @@ def _setup_context(ctx, inputs, output):
     ctx.d_v = d_v
 
 
+def _placed_like(grad: Tensor, t: Tensor) -> Tensor:
+    """A DTensor gradient redistributed to its input's placements: the sharding rules of
+    :mod:`mla_inductor.distributed` leave dkv (and under token sharding d_sink) Partial(sum), and
+    an input may have been redistributed to a rule (a kv sharded on tokens all-gathered); this sums
+    or reshards the gradient back (reduce-scatters dkv for that kv). A plain tensor as it is."""
+    mesh = getattr(t, "device_mesh", None)
+    return grad if mesh is None else grad.redistribute(mesh, t.placements)
+
+
 def _backward(ctx, dout, dlse, _do_lo, _dmax_logits):
     q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo = ctx.saved_tensors
     if dout is None:  # only lse was used
@@ -212,7 +221,8 @@ def _backward(ctx, dout, dlse, _do_lo, _dmax_logits):
         dout.contiguous(), None if dlse is None else dlse.contiguous(), q, kv, indices,
         topk_length, q_positions, attn_sink, out, lse, o_lo, ctx.sm_scale, ctx.d_v,
     )
-    return (dq, dkv, None, None, None, None if attn_sink is None else d_sink,
+    return (_placed_like(dq, q), _placed_like(dkv, kv), None, None, None,
+            None if attn_sink is None else _placed_like(d_sink, attn_sink),
             None, None, None, None, None)
 
 

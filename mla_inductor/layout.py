@@ -57,6 +57,19 @@ def _mask_invalid(indices: Tensor, S) -> Tensor:
     return torch.where((indices >= 0) & (indices < S), indices, -1)
 
 
+def _arange(n, like: Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
+    """``arange(n)`` of ``dtype`` on ``like``'s device; for a DTensor ``like`` a DTensor replicated on its
+    mesh (the global positions or batch offsets, of which each shard of an op reads its own
+    slice: :mod:`mla_inductor.distributed`), as DTensor refuses to mix it with a plain tensor."""
+    r = torch.arange(n, device=like.device, dtype=dtype)
+    mesh = getattr(like, "device_mesh", None)
+    if mesh is None:
+        return r
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(r, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
 def _positions(q: Tensor, kv: Tensor, q_positions: Optional[Tensor], batched: bool) -> Tensor:
     """Token positions ``[B, T]`` (batched) or ``[T]``, int64, clamped to ``[-1, S]`` (so that an
     int64 position cannot wrap in int32, and offsets cannot reach another batch element): the
@@ -64,7 +77,7 @@ def _positions(q: Tensor, kv: Tensor, q_positions: Optional[Tensor], batched: bo
     T = q.shape[1] if batched else q.shape[0]
     S = kv.shape[-2] if batched else kv.shape[0]
     if q_positions is None:
-        return torch.arange(T, device=q.device, dtype=torch.int64) + (S - T)
+        return _arange(T, q) + (S - T)
     torch._check(
         not q_positions.is_floating_point() and not q_positions.is_complex()
         and q_positions.dtype != torch.bool,
@@ -101,7 +114,7 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
     if batched:
         check_batched_inputs(q, kv, indices, topk_length)
         B, T, S = q.shape[0], q.shape[1], kv.shape[1]
-        offsets = (torch.arange(B, device=indices.device, dtype=indices.dtype) * S).view(B, 1, 1)
+        offsets = (_arange(B, indices, indices.dtype) * S).view(B, 1, 1)
         indices = _mask_invalid(indices, S)
         indices = torch.where(indices >= 0, indices + offsets, -1).to(torch.int32)
         q = q.reshape(B * T, q.shape[2], q.shape[3])
@@ -116,7 +129,7 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
                 lambda: f"sparse_mla: batched q_positions must be [B, T] = [{B}, {T}] or [T], "
                 f"got shape {tuple(positions.shape)}",
             )
-            offsets = torch.arange(B, device=positions.device, dtype=torch.int64).view(B, 1) * S
+            offsets = _arange(B, positions).view(B, 1) * S
             positions = (positions.expand(B, T) + offsets).reshape(B * T)
         batch = (B, T)
     elif indices.dtype == torch.int64 and kv.dim() == 2:

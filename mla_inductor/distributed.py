@@ -1,0 +1,87 @@
+"""DTensor sharding rules for the leaf ops ``sparse_mla_fwd`` and ``sparse_mla_bwd``.
+
+With these rules DTensor inputs flow through :func:`mla_inductor.sparse_mla` (eager and
+``torch.compile``) without the caller writing a collective: the entry op decomposes (it is
+CompositeImplicitAutograd) into the leaf ops, and DTensor's dispatcher picks, for each leaf call,
+the cheapest of the rules below given its inputs' placements, redistributes the inputs to it and
+runs the op on the local shards. The mechanism is PyTorch's public
+``torch.distributed.tensor.experimental.register_sharding`` (its docstring: a rule is a list of
+``(output placements, input placements)`` for one mesh dimension; DTensor expands it over every
+dimension of the mesh, ``torch/distributed/tensor/_ops/utils.py``
+``expand_to_full_mesh_op_strategy``).
+
+Rules, per mesh dimension, in the canonical layout (``q [T, H, d_qk]``, ``kv [S, d_qk]``,
+``indices [T, topk]``, ``topk_length``/``q_positions [T]``, ``attn_sink [H]``):
+
+============  ==================================  =========================================
+rule          inputs                              outputs
+============  ==================================  =========================================
+heads         q Shard(1); kv, indices,            out, lse, o_lo, max_logits Shard(1);
+              topk_length, q_positions R;         dq Shard(1), dkv Partial, d_sink Shard(0)
+              attn_sink Shard(0)
+tokens        q, indices, topk_length,            out, lse, o_lo, max_logits Shard(0);
+              q_positions Shard(0); kv, sink R    dq Shard(0), dkv Partial, d_sink Partial
+replicated    everything R                        everything R
+============  ==================================  =========================================
+
+(R = Replicate; the backward's ``dout``, ``dlse``, ``out``, ``lse``, ``o_lo`` are placed like
+q's rows, as the forward's outputs.) Any other placement is redistributed to one of these: a kv
+sharded on tokens is all-gathered (the context-parallel recipe: the latent KV is small), a q
+sharded on d_qk is gathered. An empty output (``o_lo`` or ``max_logits`` not asked for, ``d_sink``
+without a sink) is replicated.
+
+The batched layout ``[B, T, ...]`` is flattened by :mod:`mla_inductor.layout` on the DTensors:
+``B`` sharded becomes tokens sharded in ``[B*T, ...]`` and ``[B*S, d_qk]``, with global per-batch
+index offsets, so the tokens rule applies and kv is all-gathered over the batch shards (correct,
+not communication-free; for data parallelism the op is better run on local tensors, as under
+FSDP2 or DDP).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def register() -> None:
+    """Registers the rules with DTensor's sharding propagator (a second call replaces them with
+    the same ones). Call only where ``torch.distributed.is_available()``."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    from . import custom_ops  # noqa: F401  (defines the ops)
+
+    R = Replicate()
+    # Per rule: the placement of a row tensor [T, H, ...] (q and its outputs), of a per-token
+    # tensor [T, ...] (indices, topk_length, q_positions), of the sink [H], of dkv, of d_sink.
+    rules = (
+        (Shard(1), R, Shard(0), Partial(), Shard(0)),  # heads (tensor parallel)
+        (Shard(0), Shard(0), R, Partial(), Partial()),  # tokens (context / batch parallel)
+        (R, R, R, R, R),  # replicated
+    )
+
+    def given(t, placement):
+        """``placement`` for a tensor argument, ``None`` for an absent optional one."""
+        return None if t is None else placement
+
+    @register_sharding(torch.ops.mla_inductor.sparse_mla_fwd.default)
+    def _fwd(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v,
+             rescale_threshold, return_o_lo, return_max_logits):
+        found = []
+        for row, token, sink, _, _ in rules:
+            outputs = [row, row, row if return_o_lo else R, row if return_max_logits else R]
+            inputs = [row, R, token, given(topk_length, token), given(q_positions, token),
+                      given(attn_sink, sink)]
+            found.append((outputs, inputs))
+        return found
+
+    @register_sharding(torch.ops.mla_inductor.sparse_mla_bwd.default)
+    def _bwd(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
+             sm_scale, d_v):
+        found = []
+        for row, token, sink, dkv, d_sink in rules:
+            outputs = [row, dkv, R if attn_sink is None else d_sink]
+            inputs = [row, given(dlse, row), row, R, token, given(topk_length, token),
+                      given(q_positions, token), given(attn_sink, sink), row, row,
+                      row if o_lo.ndim == 3 else R]
+            found.append((outputs, inputs))
+        return found
