@@ -57,14 +57,16 @@ def _mask_invalid(indices: Tensor, S) -> Tensor:
     return torch.where((indices >= 0) & (indices < S), indices, -1)
 
 
-def _positions(q: Tensor, kv: Tensor, q_positions: Optional[Tensor], batched: bool) -> Tensor:
+def token_positions(T, S, device, q_positions: Optional[Tensor] = None) -> Tensor:
     """Token positions ``[B, T]`` (batched) or ``[T]``, int64, clamped to ``[-1, S]`` (so that an
     int64 position cannot wrap in int32, and offsets cannot reach another batch element): the
-    given ones, else ``S - T + t``."""
-    T = q.shape[1] if batched else q.shape[0]
-    S = kv.shape[-2] if batched else kv.shape[0]
+    given ones, else ``S - T + t`` (``T`` tokens, ``S`` keys per batch element).
+
+    Raises:
+        RuntimeError: for ``q_positions`` of a non-integer dtype.
+    """
     if q_positions is None:
-        return torch.arange(T, device=q.device, dtype=torch.int64) + (S - T)
+        return torch.arange(T, device=device, dtype=torch.int64) + (S - T)
     torch._check(
         not q_positions.is_floating_point() and not q_positions.is_complex()
         and q_positions.dtype != torch.bool,
@@ -93,7 +95,11 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
         "position for the causal mask); pass causal=True or drop q_positions",
     )
     batched = q.dim() == 4
-    positions = _positions(q, kv, q_positions, batched) if causal and q.dim() in (3, 4) else None
+    positions = None
+    if causal and q.dim() in (3, 4):
+        T = q.shape[1] if batched else q.shape[0]
+        S = kv.shape[-2] if batched else kv.shape[0]
+        positions = token_positions(T, S, q.device, q_positions)
     rank = 3 if batched else 2
     kv = _squeeze_heads(kv, rank, "kv")
     indices = _squeeze_heads(indices, rank, "indices")
