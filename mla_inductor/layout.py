@@ -67,11 +67,11 @@ def token_positions(T, S, device, q_positions: Optional[Tensor] = None) -> Tenso
     """
     if q_positions is None:
         return torch.arange(T, device=device, dtype=torch.int64) + (S - T)
+    dtype = q_positions.dtype  # the message may capture no tensor (Dynamo traces it in the loss)
     torch._check(
         not q_positions.is_floating_point() and not q_positions.is_complex()
-        and q_positions.dtype != torch.bool,
-        lambda: f"sparse_mla: q_positions must be an integer tensor (int32 or int64), got "
-        f"{q_positions.dtype}",
+        and dtype != torch.bool,
+        lambda: f"sparse_mla: q_positions must be an integer tensor (int32 or int64), got {dtype}",
     )
     return q_positions.to(torch.int64).clamp(-1, S)
 
@@ -95,18 +95,18 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
         "position for the causal mask); pass causal=True or drop q_positions",
     )
     batched = q.dim() == 4
-    positions = None
-    if causal and q.dim() in (3, 4):
-        T = q.shape[1] if batched else q.shape[0]
-        S = kv.shape[-2] if batched else kv.shape[0]
-        positions = token_positions(T, S, q.device, q_positions)
     rank = 3 if batched else 2
     kv = _squeeze_heads(kv, rank, "kv")
     indices = _squeeze_heads(indices, rank, "indices")
+    positions = None
+    if causal and q.dim() == 3 and kv.dim() >= 1:
+        positions = token_positions(q.shape[0], kv.shape[0], q.device, q_positions)
     batch = None
     if batched:
         check_batched_inputs(q, kv, indices, topk_length)
         B, T, S = q.shape[0], q.shape[1], kv.shape[1]
+        if causal:  # S of a [B, S, 1, d_qk] kv is known after the squeeze and the checks
+            positions = token_positions(T, S, q.device, q_positions)
         offsets = (torch.arange(B, device=indices.device, dtype=indices.dtype) * S).view(B, 1, 1)
         indices = _mask_invalid(indices, S)
         indices = torch.where(indices >= 0, indices + offsets, -1).to(torch.int32)
