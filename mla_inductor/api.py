@@ -195,22 +195,10 @@ def indexer_target(
                     ("attn_sink", attn_sink)):
         _require(t is None or isinstance(t, Tensor),
                  f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-    sm_scale = _sm_scale(q, sm_scale)
-    flat = layout.flatten(q.detach(), kv.detach(), indices, topk_length, bool(causal), q_positions)
-    lse = lse.detach()
-    if flat.batch is not None:
-        B, T = flat.batch
-        torch._check(
-            lse.dim() == 3 and lse.shape[0] == B and lse.shape[1] == T,
-            lambda: f"sparse_mla: batched lse must be [B, T, H] = [{B}, {T}, H], got shape "
-            f"{tuple(lse.shape)}",
-        )
-        lse = lse.reshape(B * T, lse.shape[-1])
-    target = torch.ops.mla_inductor.indexer_target(
-        flat.q, flat.kv, flat.indices, flat.topk_length, flat.q_positions,
-        None if attn_sink is None else attn_sink.detach(), lse, sm_scale,
+    return torch.ops.mla_inductor.indexer_target_entry(
+        q, kv, indices, lse, topk_length, q_positions, attn_sink, bool(causal),
+        _sm_scale(q, sm_scale),
     )
-    return target if flat.batch is None else target.view(*flat.batch, target.shape[-1])
 
 
 def indexer_kl_loss(
@@ -250,23 +238,21 @@ def indexer_kl_loss(
         RuntimeError (messages start ``sparse_mla:``): shapes of logits, target and indices that
         differ, non-integer indices, kv_len not a Python int (also at trace time).
     """
-    torch._check(
+    for name, t in (("indexer_logits", indexer_logits), ("target", target), ("indices", indices)):
+        _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _require(
         indexer_logits.shape == target.shape and indices.shape == target.shape,
-        lambda: f"sparse_mla: indexer_kl_loss needs indexer_logits, target and indices of one "
-        f"shape [.., T, topk], got {tuple(indexer_logits.shape)}, {tuple(target.shape)}, "
+        f"indexer_kl_loss needs indexer_logits, target and indices of one shape [.., T, topk], "
+        f"got {tuple(indexer_logits.shape)}, {tuple(target.shape)}, {tuple(indices.shape)}",
+    )
+    _require(
+        not indices.is_floating_point() and indices.dtype != torch.bool and indices.dim() >= 2,
+        f"indices must be an integer tensor [.., T, topk], got {indices.dtype} "
         f"{tuple(indices.shape)}",
     )
-    torch._check(
-        not indices.is_floating_point() and indices.dtype != torch.bool and indices.dim() >= 2,
-        lambda: f"sparse_mla: indices must be an integer tensor [.., T, topk], got "
-        f"{indices.dtype} {tuple(indices.shape)}",
-    )
     kv_len = _number("kv_len", kv_len, integral=True)
-    torch._check(
-        causal or q_positions is None,
-        lambda: "sparse_mla: q_positions is only read with causal=True; pass causal=True or drop "
-        "q_positions",
-    )
+    _require(causal or q_positions is None,
+             "q_positions is only read with causal=True; pass causal=True or drop q_positions")
     positions = None
     if causal:
         positions = layout.token_positions(indices.shape[-2], kv_len, indices.device, q_positions)

@@ -13,7 +13,9 @@ chunks).
 in the canonical layout of ``sparse_mla_fwd`` (:mod:`mla_inductor.custom_ops`): ``q [T, H, d_qk]``,
 ``kv [S, d_qk]``, ``indices [T, topk]`` int32, ``topk_length [T]`` int32 or None,
 ``q_positions [T]`` int32 or None (causal), ``attn_sink [H]`` float32 or None, ``lse [T, H]``
-float32; returns ``target [T, topk]`` float32. Not differentiable: the target is a constant of
+float32; returns ``target [T, topk]`` float32; and its entry op ``indexer_target_entry(q, kv,
+indices, lse, topk_length, q_positions, attn_sink, causal, sm_scale)`` in any layout of
+:mod:`mla_inductor.layout` (lse ``[B, T, H]`` batched). Not differentiable: the target is a constant of
 the indexer loss (:func:`mla_inductor.indexer_target` detaches its inputs; called directly, the op
 must not get inputs that require grad if a gradient is then asked through its output).
 """
@@ -25,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends
+from . import backends, layout
 from .validation import check_features, check_forward_inputs, check_lse
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
@@ -80,3 +82,36 @@ def indexer_target(
 def _(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
     _check(q, kv, indices, topk_length, q_positions, attn_sink, lse)
     return q.new_empty(indices.shape, dtype=torch.float32)
+
+
+# The entry op of :func:`mla_inductor.indexer_target`, as ``sparse_mla`` is that of
+# :func:`mla_inductor.sparse_mla`: Dynamo keeps it as one node, so the layout code (whose checks
+# Dynamo cannot trace) runs in its CompositeImplicitAutograd decomposition, on FakeTensors at
+# trace time, and leaves ``indexer_target`` in the graph.
+_lib = torch.library.Library("mla_inductor", "FRAGMENT")
+_lib.define(
+    "indexer_target_entry(Tensor q, Tensor kv, Tensor indices, Tensor lse, Tensor? topk_length, "
+    "Tensor? q_positions, Tensor? attn_sink, bool causal, float sm_scale) -> Tensor"
+)
+
+
+def _indexer_target_entry(q, kv, indices, lse, topk_length, q_positions, attn_sink, causal,
+                          sm_scale):
+    flat = layout.flatten(q.detach(), kv.detach(), indices, topk_length, causal, q_positions)
+    lse = lse.detach()
+    if flat.batch is not None:
+        B, T = flat.batch
+        torch._check(
+            lse.dim() == 3 and lse.shape[0] == B and lse.shape[1] == T,
+            lambda: f"sparse_mla: batched lse must be [B, T, H] = [{B}, {T}, H], got shape "
+            f"{tuple(lse.shape)}",
+        )
+        lse = lse.reshape(B * T, lse.shape[-1])
+    target = indexer_target(
+        flat.q, flat.kv, flat.indices, flat.topk_length, flat.q_positions,
+        None if attn_sink is None else attn_sink.detach(), lse, sm_scale,
+    )
+    return target if flat.batch is None else target.view(*flat.batch, target.shape[-1])
+
+
+_lib.impl("indexer_target_entry", _indexer_target_entry, "CompositeImplicitAutograd")

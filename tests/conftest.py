@@ -82,6 +82,20 @@ def kernel_cache_in_a_temporary_folder(tmp_path_factory):
         yield
 
 
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """``auto`` with a CUDA device of a chosen capability on this machine; returns the setter."""
+    from mla_inductor import backends
+
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    monkeypatch.setattr(backends, "_warned", set())
+
+    def set_capability(cap):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+
+    return set_capability
+
+
 CPU_BACKENDS = ("reference", "emulate")
 GPU_BACKENDS = ("sm90", "sm100")
 

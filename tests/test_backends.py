@@ -65,18 +65,6 @@ CUDA = torch.device("cuda", 0)
 DIMS = (4, 2, 16, 576, 512)  # (T, H, S, d_qk, d_v): a shape both kernel backends cover
 
 
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """``auto`` with a CUDA device of a chosen capability on this machine; returns the setter."""
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    monkeypatch.setattr(backends, "_warned", set())
-
-    def set_capability(cap):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
-
-    return set_capability
-
-
 def fallback_warnings(*calls):
     """Runs ``select(*args)`` for each args tuple; returns the messages of the warnings raised."""
     with warnings.catch_warnings(record=True) as caught:
