@@ -96,6 +96,21 @@ def fake_gpu(monkeypatch):
     return set_capability
 
 
+def fallback_warnings(*calls):
+    """Runs ``backends.select(*args)`` for each args tuple, checking that it picks the reference;
+    returns the messages of the warnings raised."""
+    import warnings
+
+    from mla_inductor import backends
+    from mla_inductor.kernels import reference
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for args in calls:
+            assert backends.select(*args) is reference
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
 CPU_BACKENDS = ("reference", "emulate")
 GPU_BACKENDS = ("sm90", "sm100")
 

@@ -7,14 +7,13 @@ the loss; the fallback warning on a CUDA device; ``indexer_kl_loss`` against fp6
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
-from conftest import CPU_BACKENDS
+from conftest import CPU_BACKENDS, fallback_warnings
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from mla_inductor import backends, indexer_kl_loss, indexer_target, sparse_mla, use_backend
+from mla_inductor import indexer_kl_loss, indexer_target, sparse_mla, use_backend
 from mla_inductor.kernels import reference, sm90, sm100
 
 D, DV, SCALE = 40, 32, 0.3
@@ -210,20 +209,12 @@ def test_one_fullgraph_graph_for_attention_target_and_loss():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _messages(*calls):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for args in calls:
-            assert backends.select(*args) is reference
-    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
-
-
 @pytest.mark.parametrize("cap,module", [((9, 0), sm90), ((10, 0), sm100)], ids=["sm90", "sm100"])
 def test_auto_on_a_gpu_warns_the_fallback(fake_gpu, monkeypatch, cap, module):
     fake_gpu(cap)
     monkeypatch.setattr(module, "available", lambda: (True, ""))
     call = (CUDA, torch.bfloat16, "indexer_target")
-    [message] = _messages(call, call)
+    [message] = fallback_warnings(call, call)
     arch = module.__name__.rpartition(".")[2]
     assert message == (
         "mla_inductor: sparse-MLA indexer_target falls back to the PyTorch reference backend, "
@@ -234,7 +225,7 @@ def test_auto_on_a_gpu_warns_the_fallback(fake_gpu, monkeypatch, cap, module):
 def test_forced_gpu_backend_warns_the_fallback(fake_gpu, monkeypatch):
     monkeypatch.setattr(sm90, "available", lambda: (True, ""))
     with use_backend("sm90"):
-        [message] = _messages((CUDA, torch.bfloat16, "indexer_target"))
+        [message] = fallback_warnings((CUDA, torch.bfloat16, "indexer_target"))
     assert message.endswith("the sm90 backend has no indexer_target kernel yet")
 
 
