@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, layout
+from . import backends, layout, lowering
 from .validation import check_features, check_forward_inputs, check_lse
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
@@ -81,6 +81,7 @@ def indexer_target(
 @indexer_target.register_fake
 def _(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
     _check(q, kv, indices, topk_length, q_positions, attn_sink, lse)
+    lowering.install()
     return q.new_empty(indices.shape, dtype=torch.float32)
 
 

@@ -209,6 +209,20 @@ def test_one_fullgraph_graph_for_attention_target_and_loss():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_inductor_without_implicit_fallbacks():
+    """The op is an explicit fallback of inductor (mla_inductor.lowering), as the attention's."""
+    q, kv, idx = _inputs(8, 3, 12, 7, seed=11)
+
+    def f(q, kv):
+        _, lse = sparse_mla(q, kv, idx, d_v=DV, sm_scale=SCALE, return_lse=True)
+        return indexer_target(q * 1.0, kv, idx, lse, sm_scale=SCALE)
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(implicit_fallbacks=False, fx_graph_cache=False):
+        got = torch.compile(f, fullgraph=True)(q, kv)
+    torch.testing.assert_close(got, f(q, kv), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("cap,module", [((9, 0), sm90), ((10, 0), sm100)], ids=["sm90", "sm100"])
 def test_auto_on_a_gpu_warns_the_fallback(fake_gpu, monkeypatch, cap, module):
     fake_gpu(cap)
