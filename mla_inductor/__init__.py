@@ -9,4 +9,5 @@ from .backends import use_backend
 from .precompile import precompile
 
 __version__ = "0.1.0"
-__all__ = ["sparse_mla", "indexer_target", "indexer_kl_loss", "use_backend", "precompile", "__version__"]
+__all__ = ["sparse_mla", "indexer_target", "indexer_kl_loss", "use_backend", "precompile",
+           "__version__"]

@@ -27,9 +27,9 @@ DeepSeek-V2 (arXiv:2405.04434); the rotary embedding is RoFormer (arXiv:2104.098
 
 The threshold the policy picks for each captured graph is read from the ``mla_inductor``
 logger's INFO records; graph breaks and compiled-graph counts from ``torch._dynamo``'s counters.
-The indexer's recall (:func:`indexer_recall`) is measured on a held-out batch before and after
-training. Exits non-zero when the training loss did not fall, the recall did not rise (when the
-indexer is trained), or there was a graph break.
+The indexer's recall (:meth:`ByteLM.indexer_recall`) is measured on a held-out batch before and
+after training. Exits non-zero when the training loss did not fall, the recall did not rise (when
+the indexer is trained), or there was a graph break.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class Report:
     loss_start: float  # mean training loss of the first steps (window of max(1, steps // 10))
     loss_end: float  # ... of the last steps
     indexer_losses: list  # the indexer's KL loss of each step (mean over layers; empty untrained)
-    recall_start: float  # indexer recall (indexer_recall) on the held-out batch before training
+    recall_start: float  # ByteLM.indexer_recall on the held-out batch before training
     recall_end: float  # ... after training
     indexer_trained: bool  # indexer_loss_weight > 0
     first_step_s: float  # the first training step, compile included
@@ -125,8 +125,9 @@ class Report:
     @property
     def ok(self) -> bool:
         """No graph break, the mean loss of the last steps is below that of the first, and the
-        indexer's recall rose when it was trained."""
-        recall_ok = not self.indexer_trained or self.recall_end > self.recall_start
+        indexer's recall rose when it was trained (and measured: NaN when ``seq_len <= topk``)."""
+        recall_ok = (not self.indexer_trained or math.isnan(self.recall_start)
+                     or self.recall_end > self.recall_start)
         return self.graph_breaks == 0 and self.loss_end < self.loss_start and recall_ok
 
 

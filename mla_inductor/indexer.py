@@ -2,12 +2,12 @@
 
 DeepSeek-V3.2's sparse training stage (DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context
 Efficiency with DeepSeek Sparse Attention", 2025, section 2.1, continued pre-training, sparse
-training stage) trains the lightning indexer with ``KL(p_t || softmax(indexer logits over S_t))``, where ``p_t`` is the main
-attention's distribution over the selected set ``S_t``, summed over heads and L1-normalised, and
-the indexer's input is detached from the main model. This op forms ``p_t`` from the ``lse`` that
-:func:`mla_inductor.sparse_mla` returned for the same inputs, so no second softmax pass runs and
-no ``[T, H, topk]`` tensor of the whole problem is formed (the reference processes tokens in
-chunks).
+training stage) trains the lightning indexer with ``KL(p_t || softmax(indexer logits over
+S_t))``, where ``p_t`` is the main attention's distribution over the selected set ``S_t``, summed
+over heads and L1-normalised, and the indexer's input is detached from the main model. This op
+forms ``p_t`` from the ``lse`` that :func:`mla_inductor.sparse_mla` returned for the same inputs,
+so no second softmax pass runs and no ``[T, H, topk]`` tensor of the whole problem is formed (the
+reference processes tokens in chunks).
 
 ``indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale) -> target``
 in the canonical layout of ``sparse_mla_fwd`` (:mod:`mla_inductor.custom_ops`): ``q [T, H, d_qk]``,
@@ -15,9 +15,9 @@ in the canonical layout of ``sparse_mla_fwd`` (:mod:`mla_inductor.custom_ops`): 
 ``q_positions [T]`` int32 or None (causal), ``attn_sink [H]`` float32 or None, ``lse [T, H]``
 float32; returns ``target [T, topk]`` float32; and its entry op ``indexer_target_entry(q, kv,
 indices, lse, topk_length, q_positions, attn_sink, causal, sm_scale)`` in any layout of
-:mod:`mla_inductor.layout` (lse ``[B, T, H]`` batched). Not differentiable: the target is a constant of
-the indexer loss (:func:`mla_inductor.indexer_target` detaches its inputs; called directly, the op
-must not get inputs that require grad if a gradient is then asked through its output).
+:mod:`mla_inductor.layout` (lse ``[B, T, H]`` batched). Not differentiable: the target is a
+constant of the indexer loss (the entry op detaches its inputs; called directly, this op must not
+get inputs that require grad if a gradient is then asked through its output).
 """
 
 from __future__ import annotations
