@@ -1,11 +1,12 @@
 """mla-inductor: DeepSeek-style sparse MLA attention as ``torch.compile``-native custom ops.
 
-Public names: :func:`sparse_mla`, :func:`use_backend`, :func:`precompile`, ``__version__``.
+Public names: :func:`sparse_mla`, :func:`indexer_target` and :func:`indexer_kl_loss` (the
+indexer's training signal), :func:`use_backend`, :func:`precompile`, ``__version__``.
 """
 
 import torch
 
-from .api import sparse_mla
+from .api import indexer_kl_loss, indexer_target, sparse_mla
 from .backends import use_backend
 from .precompile import precompile
 
@@ -16,4 +17,5 @@ if torch.distributed.is_available():  # DTensor sharding rules for the ops (mla_
 
     distributed.register()
 
-__all__ = ["sparse_mla", "use_backend", "precompile", "__version__"]
+__all__ = ["sparse_mla", "indexer_target", "indexer_kl_loss", "use_backend", "precompile",
+           "__version__"]

@@ -1,14 +1,18 @@
-"""The public entry point :func:`sparse_mla`: argument types in, the entry op, outputs out."""
+"""The public entry points: :func:`sparse_mla` (argument types in, the entry op, outputs out), and
+the indexer's training signal, :func:`indexer_target` and :func:`indexer_kl_loss`."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from . import custom_ops  # noqa: F401  (registers torch.ops.mla_inductor.*)
+from . import custom_ops, indexer  # noqa: F401  (register torch.ops.mla_inductor.*)
+from . import layout
+from .kernels.reference import valid_slots
 
 
 def _require(cond: bool, message: str) -> None:
@@ -121,10 +125,7 @@ def sparse_mla(
                     ("attn_sink", attn_sink)):
         _require(t is None or isinstance(t, Tensor),
                  f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-    if sm_scale is None:
-        sm_scale = (q.shape[-1] if q.dim() else 1) ** -0.5
-    else:
-        sm_scale = _number("sm_scale", sm_scale)
+    sm_scale = _sm_scale(q, sm_scale)
     if rescale_threshold is not None:
         rescale_threshold = _number("rescale_threshold", rescale_threshold)
     out, lse, max_logits = torch.ops.mla_inductor.sparse_mla(
@@ -133,3 +134,132 @@ def sparse_mla(
     )
     extra = ((lse,) if return_lse else ()) + ((max_logits,) if return_max_logits else ())
     return (out, *extra) if extra else out
+
+
+def _sm_scale(q: Tensor, sm_scale) -> float:
+    if sm_scale is None:
+        return (q.shape[-1] if q.dim() else 1) ** -0.5
+    return _number("sm_scale", sm_scale)
+
+
+def indexer_target(
+    q: Tensor,
+    kv: Tensor,
+    indices: Tensor,
+    lse: Tensor,
+    *,
+    sm_scale: Optional[float] = None,
+    topk_length: Optional[Tensor] = None,
+    causal: bool = False,
+    q_positions: Optional[Tensor] = None,
+    attn_sink: Optional[Tensor] = None,
+) -> Tensor:
+    """The target of DSA's indexer loss: the main attention's probability of each selected slot,
+    summed over heads and L1-normalised over the token's valid slots.
+
+    ``target[t, j] = w[t, j] / sum_{valid i} w[t, i]``, ``w[t, j] = sum_h exp(sm_scale *
+    q[t, h] . kv[indices[t, j], :d_qk] - lse[t, h])``: DeepSeek-V3.2's sparse training stage
+    trains the indexer towards it with ``KL(target || softmax(indexer logits over the selected
+    set))`` (DeepSeek-V3.2-Exp technical report, section 2.1; :func:`indexer_kl_loss`). The op
+    reads the ``lse`` that :func:`sparse_mla` returned for the same inputs (no second softmax
+    pass), and never forms a ``[T, H, topk]`` tensor of the whole problem.
+
+    Args:
+        q, kv, indices, sm_scale, topk_length, causal, q_positions, attn_sink: as for
+            :func:`sparse_mla`, the same values as the call that returned ``lse`` (batched or
+            unbatched layouts alike; int64 indices accepted).
+        lse: ``[T, H]`` (batched ``[B, T, H]``) float32, ``sparse_mla(..., return_lse=True)``'s
+            lse for these inputs (the sink included, so the sink's mass is left out of ``w``).
+
+    Tensors that require grad are fine: the target is a constant of the indexer loss, computed
+    from detached inputs, and carries no gradient.
+
+    Returns:
+        ``target [T, topk]`` (batched ``[B, T, topk]``) float32: rows sum to 1 over their valid
+        slots; empty slots (the rules of :func:`sparse_mla`: an index < 0 or >= S, a position
+        >= ``topk_length[t]``, with ``causal`` an index past the token's position) are exactly 0;
+        a row with no valid slot is all 0. Duplicated indices get one entry per slot, each with
+        the probability the attention gives it. A NaN in q, in a named kv row or in lse gives NaN
+        on that row's valid slots.
+
+    Raises:
+        RuntimeError (every message starts ``sparse_mla:``): the layout, shape, dtype and device
+            checks of :func:`sparse_mla`, an lse that is not float32 ``[T, H]`` (``[B, T, H]``),
+            sm_scale not a Python number; also at trace time under ``torch.compile``. On a CUDA
+            device the target runs on the PyTorch reference (with a warning) until a kernel
+            backend has it.
+    """
+    for name, t in (("q", q), ("kv", kv), ("indices", indices), ("lse", lse)):
+        _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("topk_length", topk_length), ("q_positions", q_positions),
+                    ("attn_sink", attn_sink)):
+        _require(t is None or isinstance(t, Tensor),
+                 f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    return torch.ops.mla_inductor.indexer_target_entry(
+        q, kv, indices, lse, topk_length, q_positions, attn_sink, bool(causal),
+        _sm_scale(q, sm_scale),
+    )
+
+
+def indexer_kl_loss(
+    indexer_logits: Tensor,
+    target: Tensor,
+    indices: Tensor,
+    *,
+    kv_len: int,
+    topk_length: Optional[Tensor] = None,
+    causal: bool = False,
+    q_positions: Optional[Tensor] = None,
+) -> Tensor:
+    """DSA's indexer loss: ``KL(target || softmax(indexer_logits))`` over each token's valid
+    slots, averaged over the tokens that have one (DeepSeek-V3.2-Exp technical report, section
+    2.1, sparse training stage).
+
+    Per token ``t`` with valid slots ``V_t``: ``sum_{j in V_t} target[t, j] * (log target[t, j] -
+    log_softmax_{V_t}(indexer_logits[t])[j])``, ``0 * log 0 = 0``. Validity follows the rules of
+    :func:`sparse_mla` from ``indices``, ``kv_len``, ``topk_length``, ``causal`` and
+    ``q_positions`` (pass the values of the :func:`indexer_target` call), not from the target,
+    whose valid slots can be 0. Empty slots and rows without a valid slot contribute nothing and
+    get a zero gradient, whatever their logits (NaN and inf included).
+
+    Args:
+        indexer_logits: ``[.., T, topk]`` the indexer's scores of the selected slots, any float
+            dtype (computed in float32); the only input the gradient reaches.
+        target: ``[.., T, topk]`` float, :func:`indexer_target`'s (detached here).
+        indices: ``[.., T, topk]`` the selected indices (local to each batch element).
+        kv_len: keys per batch element (S of kv), a Python int.
+        topk_length, causal, q_positions: as for :func:`sparse_mla`.
+
+    Returns:
+        a 0-d float32 tensor: the sum of the per-token KLs over the number of tokens with at
+        least one valid slot (0 when there is none).
+
+    Raises:
+        RuntimeError (messages start ``sparse_mla:``): shapes of logits, target and indices that
+        differ, non-integer indices, kv_len not a Python int (also at trace time).
+    """
+    for name, t in (("indexer_logits", indexer_logits), ("target", target), ("indices", indices)):
+        _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _require(
+        indexer_logits.shape == target.shape and indices.shape == target.shape,
+        f"indexer_kl_loss needs indexer_logits, target and indices of one shape [.., T, topk], "
+        f"got {tuple(indexer_logits.shape)}, {tuple(target.shape)}, {tuple(indices.shape)}",
+    )
+    _require(
+        not indices.is_floating_point() and indices.dtype != torch.bool and indices.dim() >= 2,
+        f"indices must be an integer tensor [.., T, topk], got {indices.dtype} "
+        f"{tuple(indices.shape)}",
+    )
+    kv_len = _number("kv_len", kv_len, integral=True)
+    _require(causal or q_positions is None,
+             "q_positions is only read with causal=True; pass causal=True or drop q_positions")
+    positions = None
+    if causal:
+        positions = layout.token_positions(indices.shape[-2], kv_len, indices, q_positions)
+    valid = valid_slots(indices, topk_length, kv_len, positions)
+    has_valid = valid.any(-1, keepdim=True)
+    logits = indexer_logits.float().masked_fill(~valid, -math.inf)
+    log_p = torch.where(has_valid, logits, 0.0).log_softmax(-1)
+    t = target.detach().float()
+    kl = torch.where(valid, torch.xlogy(t, t) - t * log_p, 0.0)
+    return kl.sum() / has_valid.sum().clamp_min(1)

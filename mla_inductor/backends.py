@@ -9,7 +9,8 @@ The choice comes from :func:`use_backend` (innermost wins) or else the environme
 compiled code runs, not when it is traced.
 
 ``auto`` on a CUDA device that no kernel backend covers for the problem (compute capability,
-float32, shape, a package that is missing or cannot run) uses the reference and warns, once per
+float32, shape, a package that is missing or cannot run, an op the backend has no kernel for)
+uses the reference and warns, once per
 distinct direction and reason, that it does so and that the reference is much slower. On any
 other device the reference is the right backend and ``auto`` picks it without a warning.
 """
@@ -127,19 +128,23 @@ def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims) -> Mod
         return _fall_back(direction, f"the {arch} backend cannot be imported ({error})")
     ok, reason = candidate.available()
     if ok and not hasattr(candidate, direction):
-        ok, reason = False, f"the {arch} backend has no {direction} kernel"
+        ok, reason = False, f"the {arch} backend has no {direction} kernel yet"
     if ok:
         ok, reason = _supports(candidate, dtype, direction, dims)
     return candidate if ok else _fall_back(direction, reason)
 
 
 def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) -> ModuleType:
-    """The backend module that runs ``direction`` (``"forward"`` or ``"backward"``).
+    """The backend module that runs ``direction`` (``"forward"``, ``"backward"`` or
+    ``"indexer_target"``: the protocol function of :mod:`mla_inductor.kernels` it calls).
 
     ``dims = (T, H, S, d_qk, d_v, features)`` (features: a frozenset of ``causal``, ``sink``,
     ``max_logits``, ``dlse``) lets ``auto`` skip a kernel backend that does not support the
     problem (its ``supports()`` says why) in favour of the reference; a forced backend raises.
-    Every such fallback of ``auto`` on a CUDA device warns (see the module docstring).
+    Every such fallback of ``auto`` on a CUDA device warns (see the module docstring), and so
+    does a forced backend without the function (the indexer target on the GPU backends), which
+    runs the reference; a forced backend without a backward pairs with the reference backward
+    silently.
 
     Raises:
         RuntimeError: when the requested backend cannot run here; the message names what is
@@ -163,8 +168,10 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) 
         ok, reason = _supports(chosen, dtype, direction, dims)
     if not ok:
         raise RuntimeError(f"sparse_mla: mla_inductor backend {name!r} cannot run here: {reason}")
-    if not hasattr(chosen, direction):
+    if direction == "backward" and not hasattr(chosen, direction):
         # A kernel backend without its own backward pairs with the reference backward, which
         # consumes the same (out, lse, o_lo).
         return module("reference")
+    if not hasattr(chosen, direction):
+        return _fall_back(direction, f"the {name} backend has no {direction} kernel yet")
     return chosen

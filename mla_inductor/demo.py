@@ -7,21 +7,29 @@ samples under ``torch.no_grad()`` with the same compiled model.
 
 Per layer (shapes for batch ``B``, tokens ``T``, ``H`` heads):
 
-- the indexer (no grad) scores earlier tokens with a low-rank product ``q_idx . k_idx`` under a
-  causal mask, always keeps the token itself, and takes the top ``topk``; slots beyond a token's
-  ``t + 1`` predecessors are ``-1`` (empty);
+- the indexer scores earlier tokens with a low-rank product ``q_idx . k_idx`` under a causal
+  mask, always keeps the token itself, and takes the top ``topk``; slots beyond a token's
+  ``t + 1`` predecessors are ``-1`` (empty). It learns as in DeepSeek-V3.2's sparse training
+  stage: its input is detached, and its scores of the selected slots are pulled towards the main
+  attention's head-summed, L1-normalised probabilities of those slots
+  (:func:`mla_inductor.indexer_target`, from the lse the attention returns) by
+  :func:`mla_inductor.indexer_kl_loss`, weighted by ``indexer_loss_weight`` and added to the LM
+  loss in the same compiled graph;
 - the latent ``c_kv [B, T, d_latent]`` and a rotary part ``k_rope [B, T, d_rope]`` form
   ``kv [B, T, d_latent + d_rope]`` (one latent head, MQA); queries are absorbed into the latent
   space, ``q [B, T, H, d_latent + d_rope]``;
 - :func:`mla_inductor.sparse_mla` attends over the selected rows with ``d_qk = d_latent + d_rope``
   and ``d_v = d_latent``, followed by the output up-projection ``[H * d_latent] -> d_model``.
 
-Sources: the DSA indexer and absorbed MLA follow DeepSeek-V3.2-Exp (DeepSeek-AI, 2025) and
+Sources: the DSA indexer, its KL objective and absorbed MLA follow DeepSeek-V3.2-Exp
+(DeepSeek-AI, 2025, section 2.1) and
 DeepSeek-V2 (arXiv:2405.04434); the rotary embedding is RoFormer (arXiv:2104.09864).
 
 The threshold the policy picks for each captured graph is read from the ``mla_inductor``
 logger's INFO records; graph breaks and compiled-graph counts from ``torch._dynamo``'s counters.
-Exits non-zero when the training loss did not fall or there was a graph break.
+The indexer's recall (:meth:`ByteLM.indexer_recall`) is measured on a held-out batch before and
+after training. Exits non-zero when the training loss did not fall, the recall did not rise (when
+the indexer is trained), or there was a graph break.
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from torch import Tensor, nn
 
 from . import backends, logs
 from .threads import cpu_threads, default_threads
-from .api import sparse_mla
+from .api import indexer_kl_loss, indexer_target, sparse_mla
 
 VOCAB = 256  # bytes
 PROMPT = b"def __init__(self"
@@ -61,6 +69,7 @@ class Config:
     layers: int = 2
     topk: int = 32
     d_index: int = 16
+    indexer_loss_weight: float = 1.0
     lr: float = 3e-3
     val_batches: int = 8
     sample_tokens: int = 64
@@ -101,9 +110,13 @@ class Report:
     graph_breaks: int
     graphs_train: int  # dynamo graphs compiled while training (1 = no recompile)
     graphs_eval: int  # ... during evaluation and sampling (1 = the no_grad graph, no recompile)
-    losses: list
+    losses: list  # the LM loss of each step
     loss_start: float  # mean training loss of the first steps (window of max(1, steps // 10))
     loss_end: float  # ... of the last steps
+    indexer_losses: list  # the indexer's KL loss of each step (mean over layers; empty untrained)
+    recall_start: float  # ByteLM.indexer_recall on the held-out batch before training
+    recall_end: float  # ... after training
+    indexer_trained: bool  # indexer_loss_weight > 0
     first_step_s: float  # the first training step, compile included
     train_tokens_per_s: float  # steps after the first
     val_loss: float
@@ -111,8 +124,11 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        """No graph break, and the mean loss of the last steps is below that of the first."""
-        return self.graph_breaks == 0 and self.loss_end < self.loss_start
+        """No graph break, the mean loss of the last steps is below that of the first, and the
+        indexer's recall rose when it was trained (and measured: NaN when ``seq_len <= topk``)."""
+        recall_ok = (not self.indexer_trained or math.isnan(self.recall_start)
+                     or self.recall_end > self.recall_start)
+        return self.graph_breaks == 0 and self.loss_end < self.loss_start and recall_ok
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,12 +150,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Indexer(nn.Module):
-    """DSA indexer: ``indices [B, T, topk]`` int32 of the highest-scoring tokens ``j <= t``.
+    """DSA indexer: ``(indices [B, T, topk] int32, logits [B, T, topk] float32)``: the
+    highest-scoring tokens ``j <= t`` and their scores.
 
-    Scores are ``q_idx[t] . k_idx[j]`` (rank ``d_index``), computed without grad; the token itself
-    is always selected; slots beyond the ``t + 1`` available tokens are -1. Its projections get no
-    gradient and keep their random initialisation (DSA trains them against the dense attention
-    distribution, which this demo leaves out).
+    Scores are ``q_idx[t] . k_idx[j]`` (rank ``d_index``) of the detached input, so the indexer's
+    gradient (from :func:`mla_inductor.indexer_kl_loss` on ``logits``) reaches its projections
+    only, as in DSA; the token itself is always selected; slots beyond the ``t + 1`` available
+    tokens are -1 (their logits are whatever was gathered; the loss does not read them).
     """
 
     def __init__(self, d_model: int, d_index: int, topk: int):
@@ -148,15 +165,17 @@ class Indexer(nn.Module):
         self.wk = nn.Linear(d_model, d_index, bias=False)
         self.topk = topk
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         T = x.shape[1]
+        x = x.detach()
+        scores = (self.wq(x) @ self.wk(x).transpose(1, 2)).float()  # [B, T, T]
         with torch.no_grad():
-            scores = (self.wq(x) @ self.wk(x).transpose(1, 2)).float()  # [B, T, T]
             pos = torch.arange(T, device=x.device)
-            scores = scores.masked_fill(pos[None, :] > pos[:, None], -math.inf)
-            scores = scores.masked_fill(pos[None, :] == pos[:, None], math.inf)
-            values, indices = scores.topk(min(self.topk, T), dim=-1)
-            return torch.where(values == -math.inf, -1, indices).to(torch.int32)
+            ranked = scores.masked_fill(pos[None, :] > pos[:, None], -math.inf)
+            ranked = ranked.masked_fill(pos[None, :] == pos[:, None], math.inf)
+            values, picked = ranked.topk(min(self.topk, T), dim=-1)
+        indices = torch.where(values == -math.inf, -1, picked).to(torch.int32)
+        return indices, scores.gather(-1, picked)
 
 
 class SparseMLA(nn.Module):
@@ -173,7 +192,8 @@ class SparseMLA(nn.Module):
         self.wo = nn.Linear(cfg.heads * cfg.d_latent, cfg.d_model, bias=False)
         self.indexer = Indexer(cfg.d_model, cfg.d_index, cfg.topk)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """``q [B, T, H, d_qk]`` and ``kv [B, T, d_qk]`` in the attention's dtype."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.heads, self.d_latent + self.d_rope)
         q_nope, q_rope = q.split([self.d_latent, self.d_rope], dim=-1)
@@ -181,9 +201,22 @@ class SparseMLA(nn.Module):
         c_kv, k_rope = self.wkv(x).split([self.d_latent, self.d_rope], dim=-1)
         c_kv = self.kv_norm(c_kv.float()).to(k_rope.dtype)
         kv = torch.cat((c_kv, apply_rope(k_rope, cos, sin)), dim=-1)
-        indices = self.indexer(x)
-        out = sparse_mla(q.to(self.dtype), kv.to(self.dtype), indices, d_v=self.d_latent)
-        return self.wo(out.reshape(B, T, self.heads * self.d_latent))
+        return q.to(self.dtype), kv.to(self.dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                indexer_loss: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+        """``(y [B, T, d_model], the indexer's KL loss or None)``; the loss when asked."""
+        B, T, _ = x.shape
+        q, kv = self.project(x, cos, sin)
+        indices, logits = self.indexer(x)
+        loss = None
+        if indexer_loss:
+            out, lse = sparse_mla(q, kv, indices, d_v=self.d_latent, return_lse=True)
+            target = indexer_target(q, kv, indices, lse)
+            loss = indexer_kl_loss(logits, target, indices, kv_len=T)
+        else:
+            out = sparse_mla(q, kv, indices, d_v=self.d_latent)
+        return self.wo(out.reshape(B, T, self.heads * self.d_latent)), loss
 
 
 class Block(nn.Module):
@@ -200,14 +233,17 @@ class Block(nn.Module):
             nn.Linear(4 * cfg.d_model, cfg.d_model),
         )
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                indexer_loss: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+        """``(x [B, T, d_model], the attention's indexer loss or None)``."""
+        y, loss = self.attn(self.norm1(x), cos, sin, indexer_loss)
+        x = x + y
+        return x + self.mlp(self.norm2(x)), loss
 
 
 class ByteLM(nn.Module):
     """Causal byte-level LM: ``tokens [B, T]`` int64, ``T <= cfg.seq_len`` -> ``logits [B, T, 256]``
-    float32.
+    float32; with ``indexer_loss=True``, ``(logits, the indexers' KL loss averaged over layers)``.
 
     Parameters are float32; with a 16-bit ``dtype`` the body runs under autocast and the
     attention gets ``q``/``kv`` in that dtype.
@@ -224,14 +260,50 @@ class ByteLM(nn.Module):
         self.norm = nn.RMSNorm(cfg.d_model)
         nn.init.normal_(self.embed.weight, std=0.02)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, indexer_loss: bool = False):
         cos, sin = self.cos[: tokens.shape[1]], self.sin[: tokens.shape[1]]
         half = self.dtype != torch.float32
         with torch.autocast(tokens.device.type, dtype=self.dtype, enabled=half):
             x = self.embed(tokens)
+            losses = []
             for block in self.blocks:
-                x = block(x, cos, sin)
-            return (self.norm(x) @ self.embed.weight.T).float()  # tied output projection
+                x, loss = block(x, cos, sin, indexer_loss)
+                losses.append(loss)
+            logits = (self.norm(x) @ self.embed.weight.T).float()  # tied output projection
+        if not indexer_loss:
+            return logits
+        return logits, torch.stack(losses).mean()
+
+    @torch.no_grad()
+    def indexer_recall(self, tokens: Tensor) -> float:
+        """The indexers' recall of the dense attention's top-k, eager, averaged over layers.
+
+        Per layer, a dense PyTorch attention of the same ``q`` and ``kv`` (causal, computed only
+        for this measurement) gives each token's head-mean probability of every earlier token;
+        its ``topk`` most probable keys are the reference set, and the recall is the fraction of
+        them that the indexer selects, over the tokens with more than ``topk`` candidates (the
+        others select every candidate). NaN when ``T <= topk``.
+        """
+        T = tokens.shape[1]
+        cos, sin = self.cos[:T], self.sin[:T]
+        half = self.dtype != torch.float32
+        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
+        chosen = torch.arange(T, device=tokens.device) >= self.blocks[0].attn.indexer.topk
+        hits, total = 0.0, 0
+        with torch.autocast(tokens.device.type, dtype=self.dtype, enabled=half):
+            x = self.embed(tokens)
+            for block in self.blocks:
+                h = block.norm1(x)
+                q, kv = block.attn.project(h, cos, sin)
+                s = torch.einsum("bthd,bsd->bhts", q.float(), kv.float()) * q.shape[-1] ** -0.5
+                p = s.masked_fill(~causal, -math.inf).softmax(-1).mean(1)  # [B, T, T]
+                indices, _ = block.attn.indexer(h)
+                dense = p.topk(indices.shape[-1], dim=-1).indices  # [B, T, topk]
+                found = (dense[..., :, None] == indices[..., None, :].long()).any(-1)
+                hits += found[:, chosen].float().sum().item()
+                total += found[:, chosen].numel()
+                x, _ = block(x, cos, sin)
+        return hits / total if total else math.nan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,29 +386,39 @@ def progress(step: int, steps: int, loss: float, out: Callable[[str], None]) -> 
 
 
 def train(compiled, model: nn.Module, data: Tensor, cfg: Config, g: torch.Generator, out) -> tuple:
-    """AdamW steps on random windows of ``data``.
+    """AdamW steps on random windows of ``data``, on the LM loss plus ``indexer_loss_weight``
+    times the indexers' KL loss (when the weight is > 0).
 
-    Returns ``(losses, seconds of the first step, seconds of the later steps)``.
+    Returns ``(LM losses, indexer losses, seconds of the first step, seconds of the later
+    steps)``.
     """
     device = torch.device(cfg.device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    losses, first_s, rest_s = [], 0.0, 0.0
+    trains_indexer = cfg.indexer_loss_weight > 0
+    losses, indexer_losses, first_s, rest_s = [], [], 0.0, 0.0
     for step in range(1, cfg.steps + 1):
         starts = torch.randint(0, len(data) - cfg.seq_len - 1, (cfg.batch,), generator=g)
         x, y = batch_at(data, starts, cfg.seq_len, device)
         t0 = time.perf_counter()
-        loss = F.cross_entropy(compiled(x).reshape(-1, VOCAB), y.reshape(-1))
+        if trains_indexer:
+            logits, indexer_loss = compiled(x, indexer_loss=True)
+        else:
+            logits = compiled(x)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        total = loss + cfg.indexer_loss_weight * indexer_loss if trains_indexer else loss
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())  # synchronises
+        if trains_indexer:
+            indexer_losses.append(indexer_loss.item())
         if step == 1:
             first_s = time.perf_counter() - t0
         else:
             rest_s += time.perf_counter() - t0
         progress(step, cfg.steps, losses[-1], out)
-    return losses, first_s, rest_s
+    return losses, indexer_losses, first_s, rest_s
 
 
 @torch.no_grad()
@@ -420,11 +502,14 @@ def _run(cfg: Config, out: Callable[[str], None]) -> Report:
         f"{cfg.d_latent}), topk {cfg.topk} of seq_len {cfg.seq_len}, batch {cfg.batch}; "
         f"{sum(p.numel() for p in model.parameters()):,} parameters")
     compiled = torch.compile(model, fullgraph=True)
+    held_out, _ = batch_at(val_data, torch.linspace(0, len(val_data) - cfg.seq_len - 2,
+                                                    cfg.batch).long(), cfg.seq_len, device)
+    recall_start = model.indexer_recall(held_out)
 
     with ThresholdLog() as thresholds:
         out(f"training {cfg.steps} steps (the first compiles the training graph)")
         graphs0 = compiled_graphs()
-        losses, first_s, rest_s = train(compiled, model, train_data, cfg, g, out)
+        losses, indexer_losses, first_s, rest_s = train(compiled, model, train_data, cfg, g, out)
         graphs_train = compiled_graphs() - graphs0
         t_eval = time.perf_counter()
         val_loss = evaluate(compiled, val_data, cfg)
@@ -432,6 +517,7 @@ def _run(cfg: Config, out: Callable[[str], None]) -> Report:
         text = sample(compiled, cfg, g)
         t_end = time.perf_counter()
         graphs_eval = compiled_graphs() - graphs0 - graphs_train
+    recall_end = model.indexer_recall(held_out)
 
     window = max(1, cfg.steps // 10)
     later_tokens = (cfg.steps - 1) * cfg.batch * cfg.seq_len
@@ -448,6 +534,10 @@ def _run(cfg: Config, out: Callable[[str], None]) -> Report:
         losses=losses,
         loss_start=sum(losses[:window]) / window,
         loss_end=sum(losses[-window:]) / window,
+        indexer_losses=indexer_losses,
+        recall_start=recall_start,
+        recall_end=recall_end,
+        indexer_trained=cfg.indexer_loss_weight > 0,
         first_step_s=first_s,
         train_tokens_per_s=later_tokens / rest_s if rest_s else math.nan,
         val_loss=val_loss,
@@ -455,6 +545,13 @@ def _run(cfg: Config, out: Callable[[str], None]) -> Report:
     )
     out(f"loss: start {report.loss_start:.3f} -> end {report.loss_end:.3f} (mean of {window} "
         f"step(s); ln 256 = {math.log(VOCAB):.3f})")
+    if indexer_losses:
+        out(f"indexer KL loss (weight {cfg.indexer_loss_weight:g}): start "
+            f"{sum(indexer_losses[:window]) / window:.3f} -> end "
+            f"{sum(indexer_losses[-window:]) / window:.3f} (mean of {window} step(s))")
+    out(f"indexer recall of the dense attention's top-{cfg.topk} (held-out batch, tokens with "
+        f"more than {cfg.topk} candidates): start {recall_start:.3f} -> end {recall_end:.3f}"
+        f"{'' if indexer_losses else ' (indexer not trained: --indexer-loss-weight 0)'}")
     out(f"speed: first step {first_s:.1f} s (compile included), then "
         f"{report.train_tokens_per_s:,.0f} tokens/s")
     out(f"val loss (no_grad, {cfg.val_batches * cfg.batch} sequences): {val_loss:.3f} "
@@ -486,6 +583,9 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--topk", type=int, default=d.topk, help="tokens each token attends to")
     p.add_argument("--d-index", type=int, default=d.d_index, help="indexer rank")
+    p.add_argument("--indexer-loss-weight", type=float, default=d.indexer_loss_weight,
+                   help="weight of the indexer's KL loss next to the LM loss (0: the indexer "
+                   "keeps its random initialisation)")
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
     p.add_argument("--val-batches", type=int, default=d.val_batches)
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="bytes to generate")
@@ -503,8 +603,8 @@ def parse_args(argv=None) -> Config:
 
 
 def main(argv=None) -> int:
-    """Runs the demo; returns 1 (and says why on stderr) if the loss did not fall or a graph broke,
-    2 on an invalid setting."""
+    """Runs the demo; returns 1 (and says why on stderr) if the loss did not fall, the trained
+    indexer's recall did not rise or a graph broke, 2 on an invalid setting."""
     try:
         report = run(parse_args(argv))
     except ValueError as e:
@@ -513,7 +613,8 @@ def main(argv=None) -> int:
     if not report.ok:
         print(
             f"FAILED: graph breaks {report.graph_breaks}, loss {report.loss_start:.3f} -> "
-            f"{report.loss_end:.3f}",
+            f"{report.loss_end:.3f}, indexer recall {report.recall_start:.3f} -> "
+            f"{report.recall_end:.3f}",
             file=sys.stderr,
         )
     return 0 if report.ok else 1

@@ -58,8 +58,8 @@ def _mask_invalid(indices: Tensor, S) -> Tensor:
 
 
 def _arange(n, like: Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
-    """``arange(n)`` of ``dtype`` on ``like``'s device; for a DTensor ``like`` a DTensor replicated on its
-    mesh (the global positions or batch offsets, of which each shard of an op reads its own
+    """``arange(n)`` of ``dtype`` on ``like``'s device; for a DTensor ``like`` a DTensor
+    replicated on its mesh (the global positions or batch offsets, of which each shard of an op reads its own
     slice: :mod:`mla_inductor.distributed`), as DTensor refuses to mix it with a plain tensor."""
     r = torch.arange(n, device=like.device, dtype=dtype)
     mesh = getattr(like, "device_mesh", None)
@@ -70,19 +70,22 @@ def _arange(n, like: Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
     return DTensor.from_local(r, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def _positions(q: Tensor, kv: Tensor, q_positions: Optional[Tensor], batched: bool) -> Tensor:
-    """Token positions ``[B, T]`` (batched) or ``[T]``, int64, clamped to ``[-1, S]`` (so that an
-    int64 position cannot wrap in int32, and offsets cannot reach another batch element): the
-    given ones, else ``S - T + t``."""
-    T = q.shape[1] if batched else q.shape[0]
-    S = kv.shape[-2] if batched else kv.shape[0]
+def token_positions(T, S, like: Tensor, q_positions: Optional[Tensor] = None) -> Tensor:
+    """Token positions ``[B, T]`` (batched) or ``[T]``, int64, on ``like``'s device (and mesh),
+    clamped to ``[-1, S]`` (so that an int64 position cannot wrap in int32, and offsets cannot
+    reach another batch element): the
+    given ones, else ``S - T + t`` (``T`` tokens, ``S`` keys per batch element).
+
+    Raises:
+        RuntimeError: for ``q_positions`` of a non-integer dtype.
+    """
     if q_positions is None:
-        return _arange(T, q) + (S - T)
+        return _arange(T, like) + (S - T)
+    dtype = q_positions.dtype  # the message may capture no tensor (Dynamo traces it in the loss)
     torch._check(
         not q_positions.is_floating_point() and not q_positions.is_complex()
-        and q_positions.dtype != torch.bool,
-        lambda: f"sparse_mla: q_positions must be an integer tensor (int32 or int64), got "
-        f"{q_positions.dtype}",
+        and dtype != torch.bool,
+        lambda: f"sparse_mla: q_positions must be an integer tensor (int32 or int64), got {dtype}",
     )
     return q_positions.to(torch.int64).clamp(-1, S)
 
@@ -106,14 +109,18 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
         "position for the causal mask); pass causal=True or drop q_positions",
     )
     batched = q.dim() == 4
-    positions = _positions(q, kv, q_positions, batched) if causal and q.dim() in (3, 4) else None
     rank = 3 if batched else 2
     kv = _squeeze_heads(kv, rank, "kv")
     indices = _squeeze_heads(indices, rank, "indices")
+    positions = None
+    if causal and q.dim() == 3 and kv.dim() >= 1:
+        positions = token_positions(q.shape[0], kv.shape[0], q, q_positions)
     batch = None
     if batched:
         check_batched_inputs(q, kv, indices, topk_length)
         B, T, S = q.shape[0], q.shape[1], kv.shape[1]
+        if causal:  # S of a [B, S, 1, d_qk] kv is known after the squeeze and the checks
+            positions = token_positions(T, S, q, q_positions)
         offsets = (_arange(B, indices, indices.dtype) * S).view(B, 1, 1)
         indices = _mask_invalid(indices, S)
         indices = torch.where(indices >= 0, indices + offsets, -1).to(torch.int32)

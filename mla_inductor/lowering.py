@@ -2,8 +2,9 @@
 
 What inductor does with our ops (torch 2.9 to 2.13):
 - The entry op ``sparse_mla`` never reaches inductor: AOTAutograd decomposes it (that is where the
-  threshold policy runs), leaving ``sparse_mla_fwd`` / ``sparse_mla_bwd`` in the graphs.
-- Both ops carry ``torch.Tag.needs_contiguous_strides`` (a public tag, set in ``custom_ops.py``):
+  threshold policy runs), leaving ``sparse_mla_fwd`` / ``sparse_mla_bwd`` in the graphs (and
+  likewise ``indexer_target_entry`` leaves ``indexer_target``, :mod:`mla_inductor.indexer`).
+- These ops carry ``torch.Tag.needs_contiguous_strides`` (a public tag, set in ``custom_ops.py``):
   inductor then writes their tensor operands contiguously, fusing pointwise producers (a scale, a
   transpose-copy, the int64 -> int32 index cast and the invalid-slot mask of
   :func:`mla_inductor.sparse_mla`) into the one kernel it generates before the call, instead of
@@ -56,6 +57,7 @@ def install() -> bool:
     for op in (
         torch.ops.mla_inductor.sparse_mla_fwd.default,
         torch.ops.mla_inductor.sparse_mla_bwd.default,
+        torch.ops.mla_inductor.indexer_target.default,
     ):
         if op not in lowerings:
             make_fallback(op, layout_constraint=require_contiguous, warn=False)

@@ -179,6 +179,23 @@ def check_dlse(dlse: Optional[torch.Tensor], lse: torch.Tensor) -> None:
         )
 
 
+def check_lse(lse: torch.Tensor, q: torch.Tensor) -> None:
+    """Checks an ``lse`` passed back in (the indexer target's): float32 ``[T, H]`` of
+    ``q [T, H, d_qk]``, on q's device.
+
+    Raises:
+        RuntimeError: a wrong shape, dtype or device.
+    """
+    expected = (q.shape[0], q.shape[1])
+    _check(
+        lse.dim() == 2 and lse.shape[0] == expected[0] and lse.shape[1] == expected[1],
+        f"lse must be [T, H] = {expected} (batched: [B, T, H]), the lse sparse_mla returned for "
+        f"the same inputs, got shape {tuple(lse.shape)}",
+    )
+    _check(lse.dtype == torch.float32, f"lse must be float32, got {lse.dtype}")
+    _check(lse.device == q.device, f"lse on {lse.device}, q on {q.device}")
+
+
 def check_rescale_threshold(rescale_threshold: float, dtype: torch.dtype) -> None:
     """Checks ``rescale_threshold`` (log2 units) for q's ``dtype``: finite, ``>= 0`` and below
     :data:`MAX_RESCALE_THRESHOLD` (``0.0`` is the exact running max).

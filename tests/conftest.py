@@ -82,6 +82,35 @@ def kernel_cache_in_a_temporary_folder(tmp_path_factory):
         yield
 
 
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """``auto`` with a CUDA device of a chosen capability on this machine; returns the setter."""
+    from mla_inductor import backends
+
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    monkeypatch.setattr(backends, "_warned", set())
+
+    def set_capability(cap):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+
+    return set_capability
+
+
+def fallback_warnings(*calls):
+    """Runs ``backends.select(*args)`` for each args tuple, checking that it picks the reference;
+    returns the messages of the warnings raised."""
+    import warnings
+
+    from mla_inductor import backends
+    from mla_inductor.kernels import reference
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for args in calls:
+            assert backends.select(*args) is reference
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
 CPU_BACKENDS = ("reference", "emulate")
 GPU_BACKENDS = ("sm90", "sm100")
 

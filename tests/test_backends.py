@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import random_inputs
+from conftest import fallback_warnings, random_inputs
 
 from mla_inductor import backends, sparse_mla, use_backend
 from mla_inductor.kernels import reference, sm90
@@ -63,27 +63,6 @@ def test_selection_happens_when_the_compiled_code_runs(monkeypatch):
 
 CUDA = torch.device("cuda", 0)
 DIMS = (4, 2, 16, 576, 512)  # (T, H, S, d_qk, d_v): a shape both kernel backends cover
-
-
-@pytest.fixture
-def fake_gpu(monkeypatch):
-    """``auto`` with a CUDA device of a chosen capability on this machine; returns the setter."""
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    monkeypatch.setattr(backends, "_warned", set())
-
-    def set_capability(cap):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
-
-    return set_capability
-
-
-def fallback_warnings(*calls):
-    """Runs ``select(*args)`` for each args tuple; returns the messages of the warnings raised."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for args in calls:
-            assert backends.select(*args) is reference
-    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
 
 def test_unknown_cuda_architecture_falls_back_with_one_warning_per_direction(fake_gpu):

@@ -1,4 +1,5 @@
-"""The main job (``python -m mla_inductor.demo``) at a tiny size: compiled training on real text."""
+"""The main job (``python -m mla_inductor.demo``) at a tiny size: compiled training on real text,
+the indexer trained by its KL loss in the same graph."""
 
 from __future__ import annotations
 
@@ -38,14 +39,21 @@ def test_demo_trains_compiled_without_graph_breaks():
     assert 0 < report.val_loss < 10
     assert report.sample.startswith(demo.PROMPT.decode())
     assert len(report.sample) > len(demo.PROMPT)
+    # The indexer learns from the KL loss: its recall of the dense attention's top-k rises.
+    assert len(report.indexer_losses) == TINY["steps"] and report.indexer_trained
+    assert all(0 <= loss < 10 for loss in report.indexer_losses)
+    assert 0 < report.recall_start < report.recall_end <= 1
     assert report.ok
     assert any("rescale_threshold chosen at capture, training graph: 0.0" in line for line in lines)
+    assert any(line.startswith("indexer recall of the dense attention's top-8") for line in lines)
 
 
 def test_parse_args_maps_flags_to_config():
-    argv = ["--steps", "7", "--d-latent", "32", "--heads", "2", "--dtype", "bfloat16"]
+    argv = ["--steps", "7", "--d-latent", "32", "--heads", "2", "--dtype", "bfloat16",
+            "--indexer-loss-weight", "0.5"]
     cfg = demo.parse_args(argv)
     assert (cfg.steps, cfg.d_latent, cfg.heads, cfg.dtype) == (7, 32, 2, "bfloat16")
+    assert cfg.indexer_loss_weight == 0.5
     assert cfg.topk == demo.Config().topk
 
 

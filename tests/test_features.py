@@ -97,7 +97,7 @@ def test_causal_with_positions_packed_sequences(backend):
 
 
 @pytest.mark.parametrize("backend", backend_params(CPU_BACKENDS))
-@pytest.mark.parametrize("layout", ["batched_default", "batched_positions"])
+@pytest.mark.parametrize("layout", ["batched_default", "batched_positions", "batched_default_kv_head"])
 def test_causal_batched_matches_each_batch_element(backend, layout):
     B, T, H, S, topk = 2, 5, 3, 9, 8
     dev = backend_device(backend)
@@ -105,9 +105,10 @@ def test_causal_batched_matches_each_batch_element(backend, layout):
     q = torch.randn(B, T, H, D, generator=g)
     kv = torch.randn(B, S, D, generator=g)
     idx = torch.randint(-1, S + 1, (B, T, topk), generator=g)
-    pos = None if layout == "batched_default" else torch.randint(-1, S, (B, T), generator=g)
+    pos = None if "default" in layout else torch.randint(-1, S, (B, T), generator=g)
+    kv_in = kv.unsqueeze(2) if layout.endswith("kv_head") else kv  # [B, S, 1, d]: S is at -3
     with use_backend(backend):
-        out, lse = sparse_mla(q.to(dev), kv.to(dev), idx.to(dev), d_v=DV, causal=True,
+        out, lse = sparse_mla(q.to(dev), kv_in.to(dev), idx.to(dev), d_v=DV, causal=True,
                               q_positions=None if pos is None else pos.to(dev), return_lse=True)
     for b in range(B):
         p = torch.arange(T) + (S - T) if pos is None else pos[b]

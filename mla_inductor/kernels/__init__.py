@@ -40,8 +40,20 @@ sm_scale, d_v) -> (dq, dkv, d_sink)``
     slots never written) and ``d_sink [H]`` float32 ``= -sum_t P_sink (dpsum - dlse)`` with a
     sink, else ``None``.
 
+``indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale) -> target``
+(optional)
+    The indexer's training target (:mod:`mla_inductor.indexer`): ``q``, ``kv``, ``indices``,
+    ``topk_length``, ``q_positions``, ``attn_sink``, ``sm_scale`` as the forward's, ``lse
+    [T, H]`` float32 the forward's lse for them (the sink included). Returns contiguous
+    ``target [T, topk]`` float32: ``sum_h exp(sm_scale * q[t, h] . k_j - lse[t, h])`` on the valid
+    slots, divided by its sum over the row's valid slots; exactly 0 on empty slots and on rows
+    without a valid slot (or whose sum is 0). Empty slots are never read, as in the forward.
+    ``reference`` and ``emulate`` have it; ``auto`` falls back to the reference (with the
+    warning) on a CUDA backend without it, and a forced one does the same.
+
 ``supports(dtype, direction, T, H, S, d_qk, d_v, features) -> tuple[bool, str]`` (optional)
-    Whether the backend handles this problem (``features``: a frozenset of ``"causal"``,
+    Whether the backend handles this problem (``direction``: ``"forward"`` or ``"backward"``;
+    ``features``: a frozenset of ``"causal"``,
     ``"sink"``, ``"max_logits"``, ``"dlse"``); ``auto`` falls back to the reference when not,
     a forced backend raises the reason.
 

@@ -182,3 +182,15 @@ def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, ou
     dpsum = (dout.float() * o_full).sum(-1)  # [T, H]
     return reference.gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum,
                                q_positions=q_positions, attn_sink=attn_sink, dlse=dlse)
+
+
+def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
+    """The reference's indexer target (:func:`mla_inductor.kernels.reference.indexer_target`).
+
+    There is no online softmax to emulate here: the target divides ``exp(s - lse)`` by its row
+    sum with the forward's lse given, so a kernel's arithmetic is the reference's (fp32 scores
+    from the low-precision inputs, one exponential per score, fp32 sums) up to the order of its
+    fp32 additions.
+    """
+    return reference.indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse,
+                                    sm_scale)

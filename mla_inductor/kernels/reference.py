@@ -193,3 +193,29 @@ def gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum=None, *, q
         if d_sink is not None:
             d_sink -= (p_sink * dpsum_c).sum(0)
     return dq, dkv_acc.to(kv.dtype), d_sink
+
+
+def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
+    """Reference indexer target; see the backend protocol in :mod:`mla_inductor.kernels`.
+
+    Per chunk of tokens: the scores as the forward forms them (fp32, empty slots -inf),
+    ``P = exp(s - lse)`` with the given lse (0 on empty slots, also where lse is -inf), summed
+    over heads and divided by its sum over the row's valid slots. ``attn_sink`` is not read: the
+    sink is inside lse, so its mass is already left out of P. Only the chunk's ``[c, H, topk]``
+    scores are alive at once, never those of the whole problem.
+    """
+    del attn_sink  # part of lse
+    T, H, d_qk = q.shape
+    S = kv.shape[0]
+    target = q.new_zeros(indices.shape, dtype=torch.float32)
+    if S == 0:
+        return target
+    for t0, t1 in _chunks(T, indices.shape[1], d_qk, H):
+        valid = valid_slots(indices[t0:t1], _chunk(topk_length, t0, t1), S,
+                            _chunk(q_positions, t0, t1))
+        s = _scores(q[t0:t1], _gather(kv, indices[t0:t1], valid), valid, sm_scale)
+        p = torch.exp(s - lse[t0:t1, :, None])
+        w = torch.where(valid, p.sum(1), 0.0)  # [c, topk]; an empty slot's -inf - -inf is NaN
+        total = w.sum(-1, keepdim=True)
+        target[t0:t1] = torch.where(valid & (total != 0), w / total, 0.0)
+    return target
