@@ -1,4 +1,5 @@
-"""DTensor sharding rules for the leaf ops ``sparse_mla_fwd`` and ``sparse_mla_bwd``.
+"""DTensor sharding rules for the leaf ops ``sparse_mla_fwd``, ``sparse_mla_bwd`` and
+``indexer_target``.
 
 With these rules DTensor inputs flow through :func:`mla_inductor.sparse_mla` (eager and
 ``torch.compile``) without the caller writing a collective: the entry op decomposes (it is
@@ -25,7 +26,10 @@ replicated    everything R                        everything R
 ============  ==================================  =========================================
 
 (R = Replicate; the backward's ``dout``, ``dlse``, ``out``, ``lse``, ``o_lo`` are placed like
-q's rows, as the forward's outputs.) Any other placement is redistributed to one of these: a kv
+q's rows, as the forward's outputs.) ``indexer_target`` has the tokens and replicated rules only
+(its ``lse`` placed like q's rows, its ``target [T, topk]`` like the indices): the target sums
+over heads and then normalises each row, which no head-sharded placement expresses, so a q
+sharded on heads is gathered for it. Any other placement is redistributed to one of these: a kv
 sharded on tokens is all-gathered (the context-parallel recipe: the latent KV is small), a q
 sharded on d_qk is gathered. An empty output (``o_lo`` or ``max_logits`` not asked for, ``d_sink``
 without a sink) is replicated.
@@ -48,7 +52,7 @@ def register() -> None:
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
-    from . import custom_ops  # noqa: F401  (defines the ops)
+    from . import custom_ops, indexer  # noqa: F401  (define the ops)
 
     R = Replicate()
     # Per rule: the placement of a row tensor [T, H, ...] (q and its outputs), of a per-token
@@ -72,6 +76,15 @@ def register() -> None:
             inputs = [row, R, token, given(topk_length, token), given(q_positions, token),
                       given(attn_sink, sink)]
             found.append((outputs, inputs))
+        return found
+
+    @register_sharding(torch.ops.mla_inductor.indexer_target.default)
+    def _indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
+        found = []
+        for row, token, sink, _, _ in rules[1:]:  # tokens, replicated
+            inputs = [row, R, token, given(topk_length, token), given(q_positions, token),
+                      given(attn_sink, sink), row]
+            found.append(([token], inputs))
         return found
 
     @register_sharding(torch.ops.mla_inductor.sparse_mla_bwd.default)

@@ -27,14 +27,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from mla_inductor import sparse_mla
+from mla_inductor import indexer_target, sparse_mla
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
 T, H, D_QK, D_V, S, TOPK, BATCH, DIM = 8, 4, 16, 8, 12, 6, 4, 32
 PLACEMENTS = ("replicated", "heads", "tokens", "tokens_kv_sharded", "batch", "q_sharded_on_d_qk",
               "tokens_uneven")
-CHECKS = (*PLACEMENTS, "tp_training", "fsdp2_training")
+CHECKS = (*PLACEMENTS, "tp_training", "fsdp2_training", "indexer_target")
 
 
 def _inputs(batched: bool):
@@ -92,6 +92,27 @@ def _check_placement(mesh, name: str) -> None:
     for what, grad, placement in (("dq", got[3], placements[0]), ("dkv", got[4], placements[1]),
                                   ("d_sink", got[5], placements[5])):
         assert grad.placements == (placement,), f"{name} {what}: {grad.placements}"
+
+
+def _check_indexer_target(mesh) -> None:
+    """indexer_target with its inputs sharded on tokens, and with q and lse sharded on heads
+    (gathered: the target normalises over heads), equal to the single-process target."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    q, kv, indices, topk_length, q_positions, sink = _inputs(False)
+    _, lse = sparse_mla(q, kv, indices, d_v=D_V, topk_length=topk_length, causal=True,
+                        q_positions=q_positions, attn_sink=sink, return_lse=True)
+    expected = indexer_target(q, kv, indices, lse, topk_length=topk_length, causal=True,
+                              q_positions=q_positions, attn_sink=sink)
+    R = Replicate()
+    for name, (row, token, sink_p) in {"tokens": (Shard(0), Shard(0), R),
+                                       "heads": (Shard(1), R, Shard(0))}.items():
+        args = [distribute_tensor(t, mesh, [p]) for t, p in
+                zip((q, kv, indices, lse), (row, R, token, row))]
+        got = indexer_target(*args, topk_length=distribute_tensor(topk_length, mesh, [token]),
+                             causal=True, q_positions=distribute_tensor(q_positions, mesh, [token]),
+                             attn_sink=distribute_tensor(sink, mesh, [sink_p]))
+        torch.testing.assert_close(got.full_tensor(), expected, msg=lambda m: f"{name}: {m}")
 
 
 def _check_mesh_2d(mesh) -> None:
