@@ -4,7 +4,9 @@ the independent float64 reference of ``conftest.py``: outputs, lse and gradients
 Each example draws the sizes (T, S, H, topk, d_qk / d_v; the GPU backends take only their
 widths and dtypes), the dtype, packed or batched inputs, the index pattern (random or causal,
 with -1, -2**31, S, S + 7, 2**31 - 1 and int64 indices beyond 2**32 as empty slots, duplicates,
-a ``topk_length`` with garbage past it that names any row, the poisoned ones too), the layout of
+a ``topk_length`` with garbage past it that names any row, the poisoned ones too), whether the
+call is ``causal`` (future keys, those past position ``S - T + t``, become empty: poisoned when
+nothing else names them, and the reference sees them as -1), the layout of
 each input (contiguous, transposed or sliced views, ``[S, 1, d_qk]`` / ``[T, 1, topk]`` head
 dimensions, every other row of a larger buffer, kv aliasing q's storage), NaN or inf in every kv
 row that no valid slot names, which inputs require grad, sm_scale and rescale_threshold.
@@ -92,6 +94,7 @@ class Problem:
     poison: float | None  # put into every kv row no valid slot names
     grads: tuple  # which of "q", "kv" require grad
     seed: int
+    causal: bool = False  # the op drops future keys; the reference sees them as -1 (_as_seen)
 
 
 def _batch(p: Problem) -> tuple:
@@ -174,8 +177,18 @@ def problems(draw, backend: str) -> Problem:
         threshold=draw(st.sampled_from([None, 0.0, 8.0])),
         indices=indices, topk_length=topk_length, q_layout=q_layout, kv_layout=kv_layout,
         idx_layout=draw(st.sampled_from(["contiguous", "head1", "transposed"])),
-        poison=poison, grads=grads, seed=seed,
+        poison=poison, grads=grads, seed=seed, causal=draw(st.booleans()),
     )
+
+
+def _as_seen(p: Problem) -> Problem:
+    """``p`` as the reference sees it: for a causal call every slot naming a key past the
+    token's position ``S - T + t`` (within its batch element) set to -1, and causal off."""
+    if not p.causal:
+        return p
+    positions = torch.arange(p.T) + (p.S - p.T)
+    kept = torch.where(p.indices <= positions[:, None], p.indices, torch.full_like(p.indices, -1))
+    return dataclasses.replace(p, indices=kept, causal=False)
 
 
 def _leaves(p: Problem) -> dict:
@@ -279,6 +292,8 @@ def _close(name, got, exact, scale, eps):
 
 def _check(p: Problem):
     device = backend_device(p.backend)
+    causal, op_indices = p.causal, p.indices  # what the op gets
+    p = _as_seen(p)  # everything below (poison, reference, checks) sees the future slots empty
     leaves = _leaves(p)
     _poison(p, leaves)
     sm_scale = p.d_qk**-0.5 if p.sm_scale is None else p.sm_scale
@@ -291,9 +306,9 @@ def _check(p: Problem):
     q, kv = _views(p, dev_leaves)
     tl = None if p.topk_length is None else p.topk_length.to(device)
     with use_backend(p.backend):
-        out, lse = sparse_mla(q, kv, _index_view(p, p.indices).to(device), sm_scale=p.sm_scale,
+        out, lse = sparse_mla(q, kv, _index_view(p, op_indices).to(device), sm_scale=p.sm_scale,
                               d_v=p.d_v, topk_length=tl, rescale_threshold=p.threshold,
-                              return_lse=True)
+                              causal=causal, return_lse=True)
         inputs = [t for name, t in (("q", q), ("kv", kv)) if name in p.grads]
         grads = torch.autograd.grad(out, inputs, dout.to(device)) if inputs else ()
     out, lse = out.detach().cpu(), lse.cpu()
