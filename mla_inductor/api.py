@@ -113,7 +113,9 @@ def sparse_mla(
             refused); wrong ranks, a batched layout whose sizes do not match (the message gives
             the expected layout and the sizes found), mismatched d_qk, ``d_v > d_qk``, a T or
             head mismatch between q and indices, a ``topk_length`` that is not ``[T]``
-            (``[B, T]``), non-integer indices, mixed devices or an unsupported dtype; a
+            (``[B, T]``), non-integer indices, mixed devices or an unsupported dtype;
+            ``q_positions`` without ``causal``, of a non-integer dtype or not ``[T]``
+            (``[B, T]`` or ``[T]`` batched); an ``attn_sink`` that is not float32 ``[H]``; a
             rescale_threshold that is not finite, negative or too large for the dtype (all of
             these also at trace time under ``torch.compile``); forward-mode AD or a ``torch.func``
             transform that differentiates (only reverse mode is implemented; ``vmap`` works); a

@@ -55,8 +55,9 @@ def _flashmla_forward():
 
 def feature_arguments(T: int, S: int, H: int) -> dict:
     """The DSA features each timed against the plain call (``--features``): ``{name: (q_positions,
-    attn_sink, return_max_logits)}`` with causal positions ``S - T + t`` and a sink of
-    ``N(0, 1)`` logits."""
+    attn_sink, return_max_logits)}`` with causal positions ``S - T + t`` (int32 ``[T]``) and a
+    sink of ``N(0, 1)`` logits (float32 ``[H]``), both on the current CUDA device. Raises what
+    torch raises without one."""
     positions = (torch.arange(T, device="cuda") + (S - T)).int()
     sink = torch.randn(H, device="cuda")
     return {"causal": (positions, None, False), "sink": (None, sink, False),

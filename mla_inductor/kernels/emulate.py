@@ -140,8 +140,9 @@ def forward(
             rows = torch.where(valid_b[..., None], rows.float(), 0.0)  # empty slots: never read
             s = torch.bmm(q_c, rows.transpose(1, 2)) * scale_log2
             s.masked_fill_(~valid_b[:, None, :], -math.inf)
-            true_max = torch.maximum(true_max, s.amax(dim=-1))
-            m_cand = torch.maximum(m, s.amax(dim=-1))
+            block_max = s.amax(dim=-1)
+            true_max = torch.maximum(true_max, block_max)
+            m_cand = torch.maximum(m, block_max)
             # NaN (both -inf) compares False: the max stays -inf.
             moved = (m_cand - m) > rescale_threshold
             m_new = torch.where(moved, m_cand, m)
