@@ -77,12 +77,15 @@ def _gather64(kv, indices, topk_length):
     return torch.where(valid[..., None], rows.double(), 0.0), valid
 
 
-def _probs64(q_c, rows, valid, sm_scale):
+def _probs64(q_c, rows, valid, sm_scale, attn_sink=None):
     """fp64 softmax ``[c, H, topk]`` (zero on empty slots and on rows without a valid slot) and
-    the natural-log lse ``[c, H]`` (-inf on rows without a valid slot)."""
+    the natural-log lse ``[c, H]`` (-inf on rows without a valid slot and no sink). With
+    ``attn_sink [H]`` the sink's logit joins the denominator (lse includes it) and has no value."""
     s = torch.bmm(q_c.double(), rows.transpose(1, 2)) * sm_scale
     s = s.masked_fill(~valid[:, None, :], -math.inf)
     lse = torch.logsumexp(s, dim=-1)
+    if attn_sink is not None:
+        lse = torch.logaddexp(lse, attn_sink.double()[None, :])
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     return p, lse
 
@@ -95,6 +98,7 @@ def reference_forward(
     *,
     sm_scale: float,
     d_v: int,
+    attn_sink: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse-MLA forward in float64 from the given (low-precision) inputs.
 
@@ -103,10 +107,12 @@ def reference_forward(
         indices: ``[T, topk]`` integer, any value < 0 or >= S is an empty slot;
         topk_length: optional ``[T]``, slots at positions >= ``topk_length[t]`` are empty.
         sm_scale: softmax scale (natural-log domain); d_v: value width.
+        attn_sink: optional ``[H]`` logits (natural log) that join each row's softmax
+            denominator without a value (as ``sparse_mla``'s ``attn_sink``).
 
     Returns:
         ``out [T, H, d_v]`` float64 (0 on rows without a valid slot) and ``lse [T, H]`` float64,
-        natural log (-inf on rows without a valid slot).
+        natural log, the sink included (-inf on rows without a valid slot and no sink).
     """
     T, H, d_qk = q.shape
     out = torch.zeros((T, H, d_v), dtype=torch.float64, device=q.device)
@@ -117,7 +123,7 @@ def reference_forward(
     for t0, t1 in _chunks(T, topk * (d_qk + 2 * H)):
         tl = None if topk_length is None else topk_length[t0:t1]
         rows, valid = _gather64(kv, indices[t0:t1], tl)
-        p, lse[t0:t1] = _probs64(q[t0:t1], rows, valid, sm_scale)
+        p, lse[t0:t1] = _probs64(q[t0:t1], rows, valid, sm_scale, attn_sink)
         out[t0:t1] = torch.bmm(p, rows[..., :d_v])
     return out, lse
 
@@ -131,6 +137,7 @@ def reference_backward(
     *,
     sm_scale: float,
     d_v: int,
+    attn_sink: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`reference_forward` in float64 for the upstream gradient ``dout``.
 
@@ -139,7 +146,9 @@ def reference_backward(
     Returns:
         ``dq [T, H, d_qk]`` and ``dkv [S, d_qk]``, float64 (duplicate indices accumulate once per
         occurrence; empty slots contribute nothing). The softmax and ``dpsum = rowsum(dout * out)``
-        are recomputed in float64, so this is the exact gradient of the given inputs.
+        are recomputed in float64, so this is the exact gradient of the given inputs. A sink
+        (no value) enters only through the softmax's normalisation; its own gradient is not
+        returned.
     """
     T, H, d_qk = q.shape
     S = kv.shape[0]
@@ -151,7 +160,7 @@ def reference_backward(
     for t0, t1 in _chunks(T, topk * (2 * d_qk + 3 * H)):
         tl = None if topk_length is None else topk_length[t0:t1]
         rows, valid = _gather64(kv, indices[t0:t1], tl)
-        p, _ = _probs64(q[t0:t1], rows, valid, sm_scale)
+        p, _ = _probs64(q[t0:t1], rows, valid, sm_scale, attn_sink)
         do = dout[t0:t1].double()
         dpsum = (do * torch.bmm(p, rows[..., :d_v])).sum(-1, keepdim=True)
         ds = p * (torch.bmm(do, rows[..., :d_v].transpose(1, 2)) - dpsum) * sm_scale
@@ -344,6 +353,7 @@ def order_table(
     d_v: int = 512,
     seed: int = 0,
     device="cpu",
+    attn_sink: Optional[float] = None,
     progress: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """Measures the published order table for one backend on :func:`peaked_inputs`
@@ -352,15 +362,17 @@ def order_table(
     Runs ``torch.ops.mla_inductor.sparse_mla_fwd`` under ``use_backend(backend)`` with thresholds
     8.0 (lazy) and 0.0 (exact) on both orders (slot 0 = dominant key processed last;
     :func:`self_last` = dominant first), then ``sparse_mla_bwd`` (one random bf16 ``dout``)
-    without and with ``o_lo``. ``progress``, when given, is called with a line naming each of
-    the 5 steps as it starts.
+    without and with ``o_lo``. ``attn_sink``, when given, is one sink logit (natural-log units,
+    as ``sm_scale * q.k``) for every head, passed to the kernels and the fp64 references alike.
+    ``progress``, when given, is called with a line naming each of the 5 steps as it starts.
 
     Returns:
         A JSON-serialisable dict: the configuration, ``self_weight`` (median, p90), ``floor``
         (bf16 output floor: rel-L2 and row-gain rms), ``forward[lazy|exact][order]`` (rel-L2 and
         row-gain stats vs fp64), ``orders[lazy|exact]`` (:class:`OrderDiff` fields), ``backward``
         (rel-L2 of dq and dkv vs fp64 per threshold, order and o_lo use; ``ideal``: the fp64
-        gradients rounded to bf16) and ``seconds``.
+        gradients rounded to bf16), ``attn_sink`` and ``sink_mass`` (the sink's share of each
+        row's softmax, median and p90; None without a sink) and ``seconds``.
 
     Raises:
         RuntimeError: if the backend cannot run on ``device``.
@@ -376,11 +388,19 @@ def order_table(
     q, kv = peaked_inputs(tokens, heads, d_qk, seed=seed, device=device)
     last = causal_topk_indices(tokens, topk, seed=seed + 1, device=device)
     orders = {"dominant_last": last, "dominant_first": self_last(last)}
-    ref, lse = reference_forward(q, kv, last, sm_scale=sm_scale, d_v=d_v)
+    sink = None
+    if attn_sink is not None:
+        sink = torch.full((heads,), float(attn_sink), dtype=torch.float32, device=device)
+    ref, lse = reference_forward(q, kv, last, sm_scale=sm_scale, d_v=d_v, attn_sink=sink)
     g = torch.Generator().manual_seed(seed + 2)
     dout = torch.randn(tokens, heads, d_v, generator=g).to(q.dtype).to(device)
-    dq_ref, dkv_ref = reference_backward(dout, q, kv, last, sm_scale=sm_scale, d_v=d_v)
+    dq_ref, dkv_ref = reference_backward(dout, q, kv, last, sm_scale=sm_scale, d_v=d_v,
+                                         attn_sink=sink)
     w = self_weight(q, kv, lse, sm_scale).flatten()
+    sink_mass = None
+    if sink is not None:
+        mass = torch.exp(sink.double()[None, :] - lse).flatten()
+        sink_mass = {"median": mass.median().item(), "p90": torch.quantile(mass, 0.9).item()}
     result = {
         "backend": backend,
         "tokens": tokens,
@@ -390,6 +410,8 @@ def order_table(
         "d_v": d_v,
         "alpha": PEAKED_ALPHA,
         "self_weight": {"median": w.median().item(), "p90": torch.quantile(w, 0.9).item()},
+        "attn_sink": attn_sink,
+        "sink_mass": sink_mass,
         "floor": output_floor(ref, q.dtype)._asdict(),
         "forward": {},
         "orders": {},
@@ -409,11 +431,11 @@ def order_table(
                     "backward without and with o_lo")
             with use_backend(backend):
                 out, lse_k, o_lo, _ = ops.sparse_mla_fwd(
-                    q, kv, idx, None, None, None, sm_scale, d_v, threshold, True, False
+                    q, kv, idx, None, None, sink, sm_scale, d_v, threshold, True, False
                 )
                 grads = {
                     key: ops.sparse_mla_bwd(
-                        dout, None, q, kv, idx, None, None, None, out, lse_k, residual, sm_scale,
+                        dout, None, q, kv, idx, None, None, sink, out, lse_k, residual, sm_scale,
                         d_v,
                     )[:2]
                     for key, residual in (("no_o_lo", o_lo.new_empty(0)), ("o_lo", o_lo))
@@ -447,6 +469,12 @@ def format_table(r: dict) -> str:
         f"d_qk = {r['d_qk']}, d_v = {r['d_v']}, bf16, peaked inputs (alpha {r['alpha']}; self "
         f"weight median {sw['median']:.2f}, p90 {sw['p90']:.2f}); bf16 output floor: rel-L2 "
         f"{fl['rel_l2']:.2e}, row-gain rms {fl['row_gain_rms']:.2e}",
+    ]
+    if r.get("attn_sink") is not None:
+        sm = r["sink_mass"]
+        lines.append(f"attention sink: logit {r['attn_sink']:g} on every head (its share of "
+                     f"the softmax: median {sm['median']:.2f}, p90 {sm['p90']:.2f})")
+    lines += [
         "",
         "| forward | out rel-L2 vs fp64 | row-gain rms vs fp64 (p99, max) | diff between orders "
         "| row-gain of diff / floor |",
@@ -525,6 +553,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--d-qk", type=int, default=576)
     parser.add_argument("--d-v", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--attn-sink",
+        type=float,
+        metavar="LOGIT",
+        help="an attention sink of this logit (natural-log units) on every head (default: none)",
+    )
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
     parser.add_argument(
         "--threads",
@@ -552,6 +586,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             d_v=args.d_v,
             seed=args.seed,
             device=device,
+            attn_sink=args.attn_sink,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     print(json.dumps(r, indent=2) if args.json else format_table(r))

@@ -190,19 +190,27 @@ def _messy_problem(T=24, S=40, H=16, topk=100, seed=0, dtype=torch.bfloat16):
     return q, kv, idx, topk_length
 
 
-def test_reference_matches_dense_autograd():
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_reference_matches_dense_autograd(with_sink):
     q, kv, idx, tl = _messy_problem(T=10, S=12, H=3, topk=9)
     q, kv = q.double().requires_grad_(), kv.double().requires_grad_()
-    out, lse = N.reference_forward(q.detach(), kv.detach(), idx, tl, sm_scale=0.1, d_v=D_V)
+    sink = torch.tensor([-math.inf, 0.5, 3.0], dtype=torch.float64) if with_sink else None
+    out, lse = N.reference_forward(q.detach(), kv.detach(), idx, tl, sm_scale=0.1, d_v=D_V,
+                                   attn_sink=sink)
     dout = torch.randn(out.shape, dtype=torch.float64)
-    dq, dkv = N.reference_backward(dout, q.detach(), kv.detach(), idx, tl, sm_scale=0.1, d_v=D_V)
-    # Dense formulation: one-hot counts [T, topk] -> [T, S] (duplicates add up), autograd.
+    dq, dkv = N.reference_backward(dout, q.detach(), kv.detach(), idx, tl, sm_scale=0.1, d_v=D_V,
+                                   attn_sink=sink)
+    # Dense formulation: one-hot counts [T, topk] -> [T, S] (duplicates add up), autograd; the
+    # sink adds exp(sink) to each row's denominator.
     valid = (idx >= 0) & (idx < kv.shape[0]) & (torch.arange(idx.shape[1]) < tl[:, None])
     counts = torch.zeros(idx.shape[0], kv.shape[0], dtype=torch.float64)
     counts.scatter_add_(1, torch.where(valid, idx, 0).long(), valid.double())
     s = torch.einsum("thd,sd->ths", q, kv) * 0.1
     w = torch.exp(s) * counts[:, None, :]
     z = w.sum(-1, keepdim=True)
+    if with_sink:
+        z = z + torch.exp(sink)[None, :, None]
+        assert torch.isfinite(lse[3, 1:]).all()  # a row without a valid slot: lse = the sink
     dense = (w / torch.where(z > 0, z, 1.0)) @ kv[:, :D_V]  # rows without a slot: w = 0
     dense.backward(dout)
     torch.testing.assert_close(out, dense.detach())
@@ -375,6 +383,20 @@ def test_precise_dpsum(backend, heads):
 
 
 # ----------------------------------------------------------------------------- CLI
+
+
+def test_order_table_with_a_sink():
+    """The order table with a sink holding about half of each row's softmax: the lazy max's
+    coherent error and the exact max's order invariance are unchanged, and o_lo still brings
+    the gradients to the ideal bf16 pipeline (the fp64 references take the same sink)."""
+    r = N.order_table("emulate", tokens=128, heads=4, topk=128, attn_sink=6.0)
+    assert 0.2 < r["sink_mass"]["median"] < 0.8
+    assert r["orders"]["lazy"]["ratio"] > TEETH_BOUND > 2.0 > r["orders"]["exact"]["ratio"]
+    ideal = r["backward"]["ideal"]
+    for order in ("dominant_first", "dominant_last"):
+        run = r["backward"]["exact"][f"{order}/o_lo"]
+        assert run["dq"] < 1.5 * ideal["dq"] and run["dkv"] < 1.5 * ideal["dkv"], run
+    assert "attention sink: logit 6" in N.format_table(r)
 
 
 def test_cli_prints_the_order_table(capsys):

@@ -120,3 +120,116 @@ def test_sink_of_minus_inf_is_no_sink():
                             attn_sink=minus_inf)
     for a, b in zip(none[:3], with_sink[:3]):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- through the public op
+
+
+def _public_case(B, T, S, H, topk, seed):
+    """Batched inputs with random indices (about half of them in each token's future, which
+    causal masks), empty slots of every kind, a sink per head, and dout / dlse."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, H, D_QK, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(B, S, D_QK, device="cuda", generator=g).bfloat16()
+    indices = torch.randint(0, S, (B, T, topk), device="cuda", generator=g, dtype=torch.int32)
+    indices[0, -1, :3] = torch.tensor([-1, S, 2**31 - 1], dtype=torch.int32, device="cuda")
+    indices[1, 0, :] = S - 1  # the first token of element 1 names only future keys: no valid slot
+    sink = torch.randn(H, device="cuda", generator=g) + 6.0  # about a third of each row's mass
+    dout = torch.randn(B, T, H, D_V, device="cuda", generator=g).bfloat16()
+    dlse = torch.randn(B, T, H, device="cuda", generator=g)
+    return q, kv, indices, sink, dout, dlse
+
+
+def _fp64_token_rows(q, kv, idx, sink, sm_scale):
+    """fp64 ``out, lse, max_logits, p, keys`` of the tokens in ``q [n, H, d_qk]`` whose causal
+    mask is already applied to ``idx [n, topk]`` (-1 = empty); written from the definitions."""
+    S = kv.shape[0]
+    valid = (idx >= 0) & (idx < S)
+    keys = kv[torch.where(valid, idx, 0).long()].double() * valid[..., None]
+    s = torch.einsum("nhd,nkd->nhk", q.double(), keys) * sm_scale
+    s = s.masked_fill(~valid[:, None, :], -math.inf)
+    max_logits = s.amax(-1)
+    lse = torch.logaddexp(torch.logsumexp(s, dim=-1), sink.double()[None, :])
+    p = torch.exp(s - lse[..., None])
+    return torch.einsum("nhk,nkd->nhd", p, keys[..., :D_V]), lse, max_logits, p, keys
+
+
+def _fp64_ds(q, kv, idx, sink, dout, dlse, sm_scale):
+    out, lse, _, p, keys = _fp64_token_rows(q, kv, idx, sink, sm_scale)
+    do = dout.double()
+    dp = torch.einsum("nhd,nkd->nhk", do, keys[..., :D_V])
+    dpsum = (do * out).sum(-1, keepdim=True)
+    return p * (dp - dpsum + dlse.double()[..., None]) * sm_scale, p, keys
+
+
+@pytest.mark.slow
+def test_public_op_features_at_deepseek_size():
+    """``sparse_mla`` at DeepSeek-V3.2's sizes (H 128, topk 2048, d_qk 576, d_v 512; B 2 x T 2048
+    = 4096 tokens, batched layout) with causal, a sink, return_lse / return_max_logits and a
+    gradient through lse, on the sm90 kernels, against fp64 on a sample of tokens (out, lse,
+    max_logits, dq) and on the whole dkv of a few kv rows; the sink's gradient against fp64 on
+    its own (the kernel's sum over every token, recomputed in fp64 from the fp64 rows)."""
+    import mla_inductor
+
+    B, T, H, topk = 2, 2048, 128, 2048
+    S = T
+    sm_scale = 0.1147  # not d_qk ** -0.5: the caller's scale must reach the kernels
+    q, kv, indices, sink, dout, dlse = _public_case(B, T, S, H, topk, seed=11)
+    q_, kv_, sink_ = (x.detach().requires_grad_() for x in (q, kv, sink))
+    with mla_inductor.use_backend("sm90"):
+        out, lse, max_logits = mla_inductor.sparse_mla(
+            q_, kv_, indices, sm_scale=sm_scale, causal=True, attn_sink=sink_, return_lse=True,
+            return_max_logits=True)
+        ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+    assert out.shape == (B, T, H, D_V) and lse.shape == max_logits.shape == (B, T, H)
+
+    # the causal mask, from the definition (default positions S - T + t = t here)
+    future = indices.long() > torch.arange(T, device="cuda")[None, :, None]
+    masked = torch.where(future, -1, indices)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for b in range(B):
+        tokens = torch.randperm(T, device="cuda", generator=g)[:128]
+        tokens[:2] = torch.tensor([0, T - 1], device="cuda")
+        out64, lse64, max64, _, _ = _fp64_token_rows(q[b, tokens], kv[b], masked[b, tokens], sink,
+                                                     sm_scale)
+        err, floor = rel_l2(out[b, tokens], out64), rel_l2(out64.to(torch.bfloat16), out64)
+        assert err <= 1.5 * floor, (err, floor)
+        assert (lse[b, tokens].double() - lse64).abs().max().item() < 1e-3
+        assert torch.equal(torch.isfinite(max_logits[b, tokens]), torch.isfinite(max64))
+        has = torch.isfinite(max64)
+        assert (max_logits[b, tokens][has].double() - max64[has]).abs().max().item() < 1e-3
+        ds, _, keys = _fp64_ds(q[b, tokens], kv[b], masked[b, tokens], sink, dout[b, tokens],
+                               dlse[b, tokens], sm_scale)
+        dq64 = torch.einsum("nhk,nkd->nhd", ds, keys)
+        err, floor = rel_l2(q_.grad[b, tokens], dq64), rel_l2(dq64.to(torch.bfloat16), dq64)
+        assert err <= 1.5 * floor, (err, floor)
+    # element 1's token 0 has no valid slot: out 0, lse = the sink, max_logits -inf, dq 0
+    assert (out[1, 0] == 0).all() and (q_.grad[1, 0] == 0).all()
+    torch.testing.assert_close(lse[1, 0], sink, rtol=1e-6, atol=1e-6)
+    assert torch.isneginf(max_logits[1, 0]).all()
+
+    # dkv of a few rows of element 0: every (token, slot) that names them, in fp64
+    rows = torch.unique(masked[0, T - 1, 3:8].long())
+    rows = rows[rows >= 0]
+    dkv64 = torch.zeros(len(rows), D_QK, dtype=torch.float64, device="cuda")
+    tokens = torch.isin(masked[0], rows).any(dim=1).nonzero().flatten()
+    for c in range(0, len(tokens), 128):
+        tok = tokens[c:c + 128]
+        ds, p, _ = _fp64_ds(q[0, tok], kv[0], masked[0, tok], sink, dout[0, tok], dlse[0, tok],
+                            sm_scale)
+        for i, r in enumerate(rows.tolist()):
+            sel = (masked[0, tok] == r).double()
+            dkv64[i] += torch.einsum("nk,nhk,nhd->d", sel, ds, q[0, tok].double())
+            dkv64[i, :D_V] += torch.einsum("nk,nhk,nhd->d", sel, p, dout[0, tok].double())
+    err, floor = rel_l2(kv_.grad[0, rows], dkv64), rel_l2(dkv64.to(torch.bfloat16), dkv64)
+    assert err <= 1.5 * floor, (err, floor)
+
+    # d_sink = -sum_t exp(sink - lse) (dpsum - dlse), dpsum from fp64 rows of every token
+    d_sink64 = torch.zeros(H, dtype=torch.float64, device="cuda")
+    for b in range(B):
+        for t0 in range(0, T, 256):
+            s = slice(t0, t0 + 256)
+            out64, lse64, _, _, _ = _fp64_token_rows(q[b, s], kv[b], masked[b, s], sink, sm_scale)
+            dpsum = (dout[b, s].double() * out64).sum(-1)
+            d_sink64 -= (torch.exp(sink.double() - lse64) * (dpsum - dlse[b, s].double())).sum(0)
+    assert rel_l2(sink_.grad, d_sink64) < 1e-3
