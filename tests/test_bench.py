@@ -4,6 +4,7 @@ H200, see README); on a GPU, the timers."""
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -37,6 +38,14 @@ def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
 def test_cli_exits_with_reason_without_sm90(what):
     with pytest.raises(SystemExit, match="not available here: sm90: no CUDA device"):
         cli.main([what, "--T", "128", "--H", "64"])
+
+
+def test_time_ms_calls_times_the_calls_after_the_warmup():
+    made = []
+    ms = timing.time_ms_calls(lambda: made.append(time.sleep(0.002)), 2, 3, torch.device("cpu"))
+    assert len(made) == 5 and 2.0 <= ms < 100
+    with pytest.raises(ValueError, match="needs calls >= 1"):
+        timing.time_ms_calls(lambda: None, 0, 0, torch.device("cpu"))
 
 
 @pytest.mark.cuda
