@@ -1,17 +1,21 @@
 """The benchmark command: ``--help`` at every level, usage errors, and on a machine without an
 SM90 GPU each subcommand exits with a message naming why (the benchmarks themselves run on the
-H200, see README); on a GPU, the timers."""
+H200, see README); ``hf --tiny``'s CPU smoke run and its layer's modes agreeing; on a GPU, the
+timers."""
 
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from mla_inductor.bench import cli, timing
+from conftest import rel_l2
+from mla_inductor.bench import cli, hf, timing
 
 
-@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"]])
+@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["hf"]])
 def test_help_at_every_level(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*argv, "--help"])
@@ -27,7 +31,7 @@ def test_help_at_every_level(argv, capsys):
 def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
     run = [sys.executable, "-m", "mla_inductor.bench"]
     shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0 and "{fwd,bwd,train}" in shown.stdout
+    assert shown.returncode == 0 and "{fwd,bwd,train,hf}" in shown.stdout
     wrong = subprocess.run([*run, "fw"], capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "invalid choice: 'fw'" in wrong.stderr
 
@@ -36,7 +40,82 @@ def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
 @pytest.mark.parametrize("what", list(cli.SUBCOMMANDS))
 def test_cli_exits_with_reason_without_sm90(what):
     with pytest.raises(SystemExit, match="not available here: sm90: no CUDA device"):
-        cli.main([what, "--T", "128", "--H", "64"])
+        cli.main([what, "--T", "128"])
+
+
+def test_the_command_imports_no_transformers():
+    """``hf`` imports transformers only when it runs: the other subcommands work without it."""
+    code = "import sys, mla_inductor.bench.cli; print('transformers' in sys.modules)"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "False"
+
+
+def test_hf_tiny_prints_every_row_on_the_cpu(capsys):
+    pytest.importorskip("transformers")
+    cli.main(["hf", "--tiny", "--warmup", "1", "--iters", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"# One transformers DeepseekV32Attention layer .* \d{4}-\d\d-\d\d, CPU, torch "
+                    r".*, transformers 5\.24\.\d+, hidden 64, 4 heads, .* float32;", lines[0])
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[3:]]
+    assert [(int(r[0]), r[1]) for r in rows] == [
+        (T, mode) for T in (64, 128) for mode in (*hf.MODES, hf.INDEXER_ROW)]
+    for T, mode, ms, peak, speedup in rows:
+        assert float(ms) > 0 and peak == "-"
+        assert re.fullmatch(r"\d+\.\dx", speedup) if mode == "patched" else speedup == ""
+
+
+def test_hf_reports_an_out_of_memory_and_goes_on(monkeypatch, capsys):
+    """An eager layer that runs out of memory (simulated: its forward raises as the CUDA caching
+    allocator does) prints OOM; the other modes still run, and the speedup is over sdpa."""
+    pytest.importorskip("transformers")
+    forward = hf.forward
+
+    def eager_runs_out(attn, inputs, mask):
+        if attn.config._attn_implementation == "eager":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+        return forward(attn, inputs, mask)
+
+    monkeypatch.setattr(hf, "forward", eager_runs_out)
+    cli.main(["hf", "--tiny", "--T", "64", "--warmup", "0", "--iters", "1"])
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines()[3:]]
+    assert rows[0] == ["64", "eager", "OOM", "OOM", ""]
+    assert [r[1] for r in rows] == [*hf.MODES, hf.INDEXER_ROW]
+    sdpa, patched = float(rows[1][2]), float(rows[2][2])
+    assert rows[2][4].endswith("x")
+    assert float(rows[2][4][:-1]) == pytest.approx(sdpa / patched, abs=0.1)  # ms printed rounded
+
+
+def test_time_ms_calls_times_the_calls_after_the_warmup():
+    made = []
+    ms = timing.time_ms_calls(lambda: made.append(time.sleep(0.002)), 2, 3, torch.device("cpu"))
+    assert len(made) == 5 and 2.0 <= ms < 100
+    with pytest.raises(ValueError, match="needs calls >= 1"):
+        timing.time_ms_calls(lambda: None, 0, 0, torch.device("cpu"))
+
+
+def test_hf_tiny_layer_modes_agree(monkeypatch):
+    """The tiny layer's output and input gradient (T 128, topk 16: the indexer's choice matters)
+    on sdpa and patched against eager, float32, within the integration's own tolerances
+    (tests/test_transformers.py); only the patched mode calls the op."""
+    pytest.importorskip("transformers")
+    from mla_inductor.integrations import transformers as mla_hf
+
+    calls, op = [], mla_hf.sparse_mla
+    monkeypatch.setattr(mla_hf, "sparse_mla", lambda *a, **k: calls.append(1) or op(*a, **k))
+    attn, rotary = hf.build_layer(hf.TINY, 16, torch.device("cpu"), torch.float32)
+    inputs = hf.make_inputs(attn, rotary, 128)
+    found = {}
+    for mode in hf.MODES:
+        with hf.layer_mode(attn, mode):
+            out = hf.forward(attn, inputs, hf.causal_mask(attn, inputs))
+        grad, = torch.autograd.grad(out, inputs.hidden_states, inputs.grad_output)
+        found[mode] = out.detach(), grad, len(calls)
+    assert [n for _, _, n in found.values()] == [0, 0, 1]
+    out, grad, _ = found["eager"]
+    for mode in ("sdpa", "patched"):
+        assert rel_l2(found[mode][0], out) <= 1e-5, mode
+        assert rel_l2(found[mode][1], grad) <= 1e-4, mode
 
 
 @pytest.mark.cuda

@@ -4,9 +4,12 @@
     python -m mla_inductor.bench bwd   [--T ...] [--H ...] [--topk N] [--protocol P]
         [--no-reference]
     python -m mla_inductor.bench train [--T ...] [--H ...] [--topk N] [--skip-layer] [--skip-model]
+    python -m mla_inductor.bench hf    [--T 4096 16384] [--topk 2048] [--warmup N] [--iters N]
+        [--tiny]
 
 ``--help`` works at every level. Modules: :mod:`.cli` (the command), one module per subcommand
-(:mod:`.fwd`, :mod:`.bwd`, :mod:`.train`: each ``add_arguments(parser)`` and ``run(args)``),
+(:mod:`.fwd`, :mod:`.bwd`, :mod:`.train`, :mod:`.hf`: each ``add_arguments(parser)`` and
+``run(args)``; ``hf`` times a transformers DeepSeek-V3.2 layer unpatched and patched),
 :mod:`.timing` (the timers and protocols every table uses) and :mod:`.problems` (widths, index
 patterns, shape flags, the SM90 check).
 

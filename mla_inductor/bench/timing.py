@@ -5,8 +5,11 @@ one of them.
 - :func:`time_ms_interleaved` (protocol ``sustained``): the contenders of one row timed in
   interleaved rounds, so that they see the same clock drift.
 - :func:`time_ms_cooled` (protocol ``cooled``): FlashMLA's benchmark protocol.
+- :func:`time_ms_calls`: a fixed number of calls, for functions too slow for ``do_bench``'s
+  budget (hundreds of ms a call) and for CPU smoke runs.
 
-All take zero-argument callables that launch CUDA work and return milliseconds (float).
+All take zero-argument callables and return milliseconds (float); all but :func:`time_ms_calls`
+time CUDA work only.
 """
 
 from __future__ import annotations
@@ -116,6 +119,37 @@ def time_ms_cooled(fns: dict, runs: int = 30, pause_s: float = 0.3) -> dict:
         torch.cuda.synchronize()
         times[name] = statistics.fmean(start.elapsed_time(end) for start, end in events)
     return times
+
+
+def time_ms_calls(fn, warmup: int, calls: int, device: torch.device) -> float:
+    """Median milliseconds of ``calls`` calls of ``fn()`` after ``warmup`` untimed ones, each call
+    timed alone: CUDA events on a CUDA ``device``, ``time.perf_counter`` otherwise.
+
+    For calls of hundreds of milliseconds (``do_bench`` makes 5 estimation calls, then as many
+    as fit in 200 ms: at least one, whatever the cost) and for runs on the CPU, which the other
+    timers do not time. No L2 flush: a call that long evicts L2 itself.
+
+    Raises:
+        ValueError: ``calls < 1`` or ``warmup < 0``. Whatever ``fn`` raises.
+    """
+    if calls < 1 or warmup < 0:
+        raise ValueError(f"time_ms_calls: needs calls >= 1 and warmup >= 0, got {calls}, {warmup}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 PROTOCOLS = {"sustained": time_ms_interleaved, "cooled": time_ms_cooled}

@@ -1,0 +1,250 @@
+"""hf: one transformers DeepSeek-V3.2 attention layer, unpatched (eager, sdpa) against patched.
+
+transformers' ``DeepseekV32Attention`` (``models/deepseek_v32``, with its DSA indexer) at
+DeepSeek-V3.2's sizes (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64, nope 128,
+v 128, index_topk 2048 over 64 index heads of 128, YaRN factor 40 as in the released config),
+random init, bf16, batch 1, forward + backward (hidden states requiring grad, a random output
+gradient, every parameter's gradient) at each T, in three modes:
+
+- ``eager``, ``sdpa``: the layer as transformers runs it with that ``attn_implementation`` (keys
+  and values expanded per head, the indexer's top-k folded into a dense [1, 1, T, T] mask);
+- ``patched``: the same layer after :func:`mla_inductor.integrations.transformers.apply` (the
+  absorbed form on ``sparse_mla``), on the sdpa (bool) mask.
+
+A fourth row, ``indexer alone (fwd)``, times transformers' indexer by itself: it runs, under
+``no_grad``, inside every mode above, and its float32 scores ``[1, T, 64, T]`` are O(T²) in
+all of them. The causal mask and the position embeddings are built as ``DeepseekV32Model``
+builds them, once per T and mode, outside the timed calls (the model builds them once for all
+its layers).
+
+ms = median of ``--iters`` calls after ``--warmup`` untimed ones, CUDA events
+(:func:`mla_inductor.bench.timing.time_ms_calls`; the patched mode's first call compiles its
+kernels); peak GiB = ``torch.cuda.max_memory_allocated`` over those calls minus what was
+allocated before them (weights, inputs, mask). An out-of-memory prints ``OOM`` and the run goes
+on. Needs the ``transformers`` extra. ``--tiny``: a small config (hidden 64, 4 heads, q_lora 32,
+kv_lora 32, rope 16, topk 16) on the CPU in float32 (the op's reference backend), T 64 and 128:
+a smoke run in seconds, no memory figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+from typing import NamedTuple, Optional
+
+import torch
+
+from .problems import require_sm90
+from .timing import time_ms_calls
+
+# DeepSeek-V3.2's attention widths (its config.json); index_topk comes from --topk.
+REAL = dict(hidden_size=7168, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+            index_n_heads=64, index_head_dim=128)
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+            kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16,
+            index_n_heads=2, index_head_dim=32)
+# The released config's rope_scaling (rope_theta 10000).
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+            original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+            mscale_all_dim=1.0)
+MODES = ("eager", "sdpa", "patched")
+INDEXER_ROW = "indexer alone (fwd)"
+
+
+class Inputs(NamedTuple):
+    """One forward's inputs at T tokens, batch 1, as ``DeepseekV32Model`` passes them to a layer."""
+
+    hidden_states: torch.Tensor  # [1, T, hidden_size], the layer's dtype, requires grad
+    grad_output: torch.Tensor  # [1, T, hidden_size], the layer's dtype
+    position_ids: torch.Tensor  # [1, T] int64, 0..T-1
+    position_embeddings: tuple  # (cos, sin), each [1, T, qk_rope_head_dim], the layer's dtype
+
+
+class Measurement(NamedTuple):
+    ms: float  # median milliseconds per call
+    peak_gib: Optional[float]  # peak memory over the calls, GiB; None off CUDA
+
+
+def build_layer(sizes: dict, topk: int, device: torch.device, dtype: torch.dtype):
+    """``(attention, rotary)``: a random-init ``DeepseekV32Attention`` (layer 0, its indexer
+    included) of a one-layer ``DeepseekV32Config`` with ``sizes`` (:data:`REAL` or :data:`TINY`),
+    ``index_topk = topk`` and :data:`YARN`, in ``dtype`` on ``device`` (the indexer's
+    ``weights_proj`` in float32, as the model keeps it), and the model's
+    ``DeepseekV32RotaryEmbedding``. Seeded: the same weights at every call."""
+    from transformers import DeepseekV32Config
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
+
+    config = DeepseekV32Config(**sizes, index_topk=topk, num_hidden_layers=1,
+                               rope_parameters=dict(YARN), attn_implementation="eager")
+    torch.manual_seed(0)
+    with torch.device(device):
+        attn = dsv32.DeepseekV32Attention(config, layer_idx=0).to(dtype)
+        rotary = dsv32.DeepseekV32RotaryEmbedding(config)
+    attn.indexer.weights_proj.float()
+    return attn, rotary
+
+
+def make_inputs(attn, rotary, T: int) -> Inputs:
+    """Seeded ``N(0, 1)`` hidden states and output gradient for ``attn`` (from :func:`build_layer`)
+    at ``T`` tokens, with positions 0..T-1 and their RoPE from ``rotary``."""
+    weight = attn.q_a_proj.weight
+    gen = torch.Generator(device=weight.device).manual_seed(T)
+    shape = (1, T, attn.hidden_size)
+    x = torch.randn(shape, generator=gen, device=weight.device, dtype=weight.dtype)
+    grad_output = torch.randn(shape, generator=gen, device=weight.device, dtype=weight.dtype)
+    position_ids = torch.arange(T, device=weight.device)[None]
+    return Inputs(x.requires_grad_(), grad_output, position_ids, rotary(x, position_ids))
+
+
+@contextlib.contextmanager
+def layer_mode(attn, mode: str):
+    """Runs the block with ``attn`` in ``mode`` (one of :data:`MODES`): its config's
+    ``attn_implementation`` set to ``eager`` or ``sdpa`` (which also picks the mask
+    :func:`causal_mask` builds), or, for ``patched``, ``sdpa`` with the layer switched by
+    :func:`mla_inductor.integrations.transformers.switched`."""
+    from mla_inductor.integrations import transformers as mla_hf
+
+    attn.config._attn_implementation = "eager" if mode == "eager" else "sdpa"
+    with mla_hf.switched(attn) if mode == "patched" else contextlib.nullcontext():
+        yield
+
+
+def causal_mask(attn, inputs: Inputs) -> torch.Tensor:
+    """The mask ``DeepseekV32Model`` builds for the layer's current ``attn_implementation``:
+    ``[1, 1, T, T]``, additive in the hidden states' dtype for eager (0 = seen), bool for sdpa
+    (True = seen)."""
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask(config=attn.config, inputs_embeds=inputs.hidden_states,
+                              attention_mask=None, cache=None, position_ids=inputs.position_ids,
+                              allow_is_causal_skip=False)
+
+
+def forward(attn, inputs: Inputs, mask: torch.Tensor) -> torch.Tensor:
+    """The layer's output ``[1, T, hidden_size]``, called as ``DeepseekV32DecoderLayer`` calls it
+    (no cache)."""
+    out, _ = attn(hidden_states=inputs.hidden_states,
+                  position_embeddings=inputs.position_embeddings, attention_mask=mask,
+                  position_ids=inputs.position_ids)
+    return out
+
+
+def measure(fn, device: torch.device, warmup: int, iters: int) -> Optional[Measurement]:
+    """``fn()`` timed by :func:`mla_inductor.bench.timing.time_ms_calls`, with its peak memory
+    on CUDA; None after a CUDA out-of-memory (what the failed call held is freed)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    try:
+        ms = time_ms_calls(fn, warmup, iters, device)
+    except torch.cuda.OutOfMemoryError:
+        ms = None
+    if ms is None:  # outside the handler, so that the traceback's frames are already released
+        gc.collect()
+        torch.cuda.empty_cache()
+        return None
+    return Measurement(ms, (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None)
+
+
+def _cells(m: Optional[Measurement]) -> str:
+    if m is None:
+        return "OOM | OOM"
+    return f"{m.ms:.1f} | {'-' if m.peak_gib is None else f'{m.peak_gib:.2f}'}"
+
+
+def _speedup(results: dict) -> str:
+    unpatched = [m.ms for mode, m in results.items() if mode != "patched" and m is not None]
+    if results["patched"] is None:
+        return ""
+    if not unpatched:
+        return "unpatched OOM"
+    return f"{min(unpatched) / results['patched'].ms:.1f}x"
+
+
+def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5) -> None:
+    """Prints the table (module docstring) for token counts ``Ts`` and ``index_topk = topk``: real
+    sizes in bf16 on CUDA, or with ``tiny`` :data:`TINY` in float32 on the CPU."""
+    import transformers
+
+    device = torch.device("cpu" if tiny else "cuda")
+    dtype = torch.float32 if tiny else torch.bfloat16
+    sizes = TINY if tiny else REAL
+    attn, rotary = build_layer(sizes, topk, device, dtype)
+    params = list(attn.parameters())
+    where = "CPU" if tiny else torch.cuda.get_device_name()
+    peak = ("no memory figures on the CPU" if tiny else
+            "peak: max_memory_allocated over the calls minus the memory before them")
+    print(f"# One transformers DeepseekV32Attention layer (its indexer included), forward + "
+          f"backward, {datetime.date.today()}, {where}, torch {torch.__version__}, transformers "
+          f"{transformers.__version__}, hidden {sizes['hidden_size']}, "
+          f"{sizes['num_attention_heads']} heads, q_lora {sizes['q_lora_rank']}, kv_lora "
+          f"{sizes['kv_lora_rank']}, rope {sizes['qk_rope_head_dim']}, nope "
+          f"{sizes['qk_nope_head_dim']}, v {sizes['v_head_dim']}, index_topk {topk} "
+          f"({sizes['index_n_heads']} index heads x {sizes['index_head_dim']}), YaRN factor 40, "
+          f"batch 1, {str(dtype).removeprefix('torch.')}; ms: median of {iters} calls after "
+          f"{warmup}; {peak}")
+    print("| T | mode | ms | peak GiB | speedup (best unpatched ms / patched ms) |")
+    print("|---|---|---|---|---|")
+    for T in Ts:
+        inputs = make_inputs(attn, rotary, T)
+        results = {}
+        for mode in MODES:
+            with layer_mode(attn, mode):
+                mask = causal_mask(attn, inputs)
+
+                def step():
+                    for p in (inputs.hidden_states, *params):
+                        p.grad = None
+                    forward(attn, inputs, mask).backward(inputs.grad_output)
+
+                results[mode] = measure(step, device, warmup, iters)
+            for p in (inputs.hidden_states, *params):
+                p.grad = None
+            del mask, step
+            speedup = _speedup(results) if mode == "patched" else ""
+            print(f"| {T} | {mode} | {_cells(results[mode])} | {speedup} |", flush=True)
+        with layer_mode(attn, "sdpa"):
+            mask = causal_mask(attn, inputs)[:, 0]
+        with torch.no_grad():
+            q_resid = attn.q_a_layernorm(attn.q_a_proj(inputs.hidden_states))
+        indexer = measure(lambda: attn.indexer(inputs.hidden_states, q_resid,
+                                               inputs.position_embeddings, mask,
+                                               inputs.position_ids),
+                          device, warmup, iters)
+        print(f"| {T} | {INDEXER_ROW} | {_cells(indexer)} | |", flush=True)
+        del inputs, mask, q_resid
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``hf`` subcommand's flags: ``--T``, ``--topk``, ``--warmup``, ``--iters``, ``--tiny``."""
+    parser.add_argument("--T", type=int, nargs="+", default=None,
+                        help="token counts T (batch 1); default: 4096 16384 (with --tiny: 64 128)")
+    parser.add_argument("--topk", type=int, default=None,
+                        help="the indexer's index_topk; default: 2048 (with --tiny: 16)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="untimed calls per T and mode (the patched mode's first call "
+                             "compiles its kernels); default: 2")
+    parser.add_argument("--iters", type=int, default=5,
+                        help="timed calls per T and mode, the median reported; default: 5")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a small config on the CPU in float32: a smoke run in seconds")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Runs the subcommand for parsed flags (:func:`add_arguments`). Exits with a message when the
+    sm90 kernels cannot run here (unless ``--tiny``) or transformers is not installed."""
+    if not args.tiny:
+        require_sm90("kernels")
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"hf needs transformers (pip install 'mla-inductor[transformers]'): {e}")
+    bench_hf(args.T or ([64, 128] if args.tiny else [4096, 16384]),
+             args.topk or (16 if args.tiny else 2048), tiny=args.tiny, warmup=args.warmup,
+             iters=args.iters)
