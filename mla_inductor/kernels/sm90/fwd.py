@@ -151,6 +151,10 @@ class SparseMlaFwdSm90:
         self.has_positions = has_positions  # causal: slots naming a key past q_positions[t] are empty
         self.has_sink = has_sink
         self.has_max_logits = has_max_logits
+        # With the exact max (0.0) the final running max is the row's true max (it starts at
+        # MAX_INIT: a row whose scores all lie below it counts as empty, as for lse); only the
+        # lazy rescale, whose max can be stale, tracks the true max on the side.
+        self.track_true_max = has_max_logits and self.threshold > 0.0
         self.n_chunks = d_qk // 64
         self.p_in_rope = d_qk - d_v >= 64  # A's P tile lives in the (dead) RoPE chunk of stage 0
         self.stage_elems = TILE_N * d_qk
@@ -439,7 +443,7 @@ class SparseMlaFwdSm90:
 
                     # softmax of the own block against the running max, max published to B
                     self._mask_rowmax(acc_S, valid, bmax, scale_log2)
-                    if const_expr(self.has_max_logits):
+                    if const_expr(self.track_true_max):
                         true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
                         true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
                     m_pair[0] = self._new_max(row_max[0], bmax[0])
@@ -500,7 +504,7 @@ class SparseMlaFwdSm90:
                     warpgroup.wait_group(0)
 
                     self._mask_rowmax(acc_S, valid, bmax, scale_log2)
-                    if const_expr(self.has_max_logits):
+                    if const_expr(self.track_true_max):
                         true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
                         true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
                     cute.arch.barrier(barrier_id=BAR_MAX_A, number_of_threads=256)
@@ -550,7 +554,7 @@ class SparseMlaFwdSm90:
             psum[r] = rs
             if lane % 4 == 0:
                 sL[rows[r], role] = rs
-                if const_expr(self.has_max_logits):
+                if const_expr(self.track_true_max):
                     sMaxL[rows[r], role] = true_max[r]
         cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=256)
         for r in cutlass.range_constexpr(2):
@@ -575,8 +579,12 @@ class SparseMlaFwdSm90:
                 if lane % 4 == 0:
                     if head < num_heads:
                         mLSE[t, head] = lse
-                        if const_expr(self.has_max_logits):
+                        if const_expr(self.track_true_max):
                             top = cute.arch.fmax(true_max[r], sMaxL[rows[r], 1])
+                            mMaxLogits[t, head] = top * Float32(LN2)
+                        elif const_expr(self.has_max_logits):
+                            top = cutlass.select_(row_max[r] > Float32(MAX_INIT), row_max[r],
+                                                  -Float32.inf)
                             mMaxLogits[t, head] = top * Float32(LN2)
         self._store_o(acc_O, thr_rs, sKV, mO, mOlo, t, h0, num_heads, role, inv, ct + 128 * role)
 
