@@ -4,11 +4,12 @@
     python -m mla_inductor.bench bwd   [--T ...] [--H ...] [--topk N] [--protocol P]
         [--no-reference]
     python -m mla_inductor.bench train [--T ...] [--H ...] [--topk N] [--skip-layer] [--skip-model]
+    python -m mla_inductor.bench indexer [--T ...] [--H ...] [--topk N] [--S T] [--protocol P]
 
 ``--help`` works at every level. Modules: :mod:`.cli` (the command), one module per subcommand
-(:mod:`.fwd`, :mod:`.bwd`, :mod:`.train`: each ``add_arguments(parser)`` and ``run(args)``),
-:mod:`.timing` (the timers and protocols every table uses) and :mod:`.problems` (widths, index
-patterns, shape flags, the SM90 check).
+(:mod:`.fwd`, :mod:`.bwd`, :mod:`.train`, :mod:`.indexer`: each ``add_arguments(parser)`` and
+``run(args)``), :mod:`.timing` (the timers and protocols every table uses) and :mod:`.problems`
+(widths, index patterns, shape flags, the SM90 check).
 
 A tool on top of the op, like :mod:`mla_inductor.demo` and :mod:`mla_inductor.numerics`: it
 imports the package; nothing in the package imports it.

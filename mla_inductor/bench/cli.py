@@ -1,14 +1,15 @@
-"""The command ``python -m mla_inductor.bench {fwd,bwd,train} [flags]``: one argument parser
-with a subcommand per benchmark module (:data:`SUBCOMMANDS`); ``--help`` works at every level."""
+"""The command ``python -m mla_inductor.bench {fwd,bwd,train,indexer} [flags]``: one argument
+parser with a subcommand per benchmark module (:data:`SUBCOMMANDS`); ``--help`` works at every
+level."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Optional
 
-from . import bwd, fwd, train
+from . import bwd, fwd, indexer, train
 
-SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train}
+SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer": indexer}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,7 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Benchmarks of the sparse-MLA kernels on the current GPU (SM90). Each "
         "subcommand prints a markdown table; `<subcommand> --help` lists its flags.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{fwd,bwd,train}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{fwd,bwd,train,indexer}")
     for name, module in SUBCOMMANDS.items():
         doc = module.__doc__
         p = sub.add_parser(name, help=doc.splitlines()[0].split(": ", 1)[1], description=doc,
