@@ -30,10 +30,12 @@ Design (decisions, in the order they were taken)
   up to two blocks' worth when Q is smaller), each slot with its own full / empty mbarrier.
 * Warp specialisation, 3 warpgroups (384 threads), registers 56 / 224 / 224 via ``setmaxnreg``
   (the forward's split of the launch allocation):
-  - WG0, producer: gathers Q once (L2 evict_first), then every chunk of every block in order with
-    16-byte ``cp.async.cg`` (L2 evict_last, 256-byte prefetch hint; 8 threads per 128-byte row
-    segment, 4 passes of 16 rows; the forward's gather). The indices of block b + 1 are loaded
-    while block b's chunks are issued. With the first chunk of a block it writes the block's key
+  - WG0, producer: gathers every chunk of every block in order with 16-byte ``cp.async.cg``
+    (L2 evict_last, 256-byte prefetch hint; 8 threads per 128-byte row segment, 4 passes of 16
+    rows; the forward's gather), and Q (L2 evict_first) chunk by chunk next to the first block's
+    chunks, each Q chunk with its own mbarrier, so that the first products start before all of
+    Q has landed. The indices of block b + 1 are loaded while block b's chunks are issued (block
+    0's before anything else). With the first chunk of a block it writes the block's key
     validity (``sValid``, two slots by block parity), published by 16 plain arrivals on every
     chunk's full barrier (so that every slot's barrier counts the same 128 + 16 arrivals).
   - WG1 and WG2, consumers, ping-pong on blocks (WG1 the even ones, WG2 the odd): each issues
@@ -56,6 +58,26 @@ Design (decisions, in the order they were taken)
 * One compiled kernel serves every T, H <= tile_heads, S and topk (symbolic); the compile key is
   (dtype, d_qk, tile_heads, has topk_length, has positions). Launched on torch's current stream
   through TVM-FFI.
+
+Measured (H200, 2026-12-01, ``python -m mla_inductor.bench indexer``: bf16, d_qk 576, topk 2048,
+S = T, random indices, interleaved with our exact forward in the same run; ms of the target /
+of the forward):
+
+======  ===  ===============  ==========  ========
+T       H    target ms        forward ms  ratio
+======  ===  ===============  ==========  ========
+4096    128  2.254 (549 TF)   3.970       0.568
+4096    64   1.528 (405 TF)   2.025       0.755
+16384   128  8.940 (553 TF)   16.161      0.553
+16384   64   5.998 (412 TF)   8.202       0.731
+======  ===  ===============  ==========  ========
+
+Loading Q whole before the first product (one mbarrier) instead of chunk by chunk with the first
+block was 9% slower (2.464 / 9.622 ms at H 128, ratios 0.614 / 0.589). At H 64 the forward too
+gathers each key row once per token, so the ratio is bounded by the gathers rather than by the
+FLOPs: the target moves T topk 1152 bytes from L2 (9.7 GB at T 4096) at 6.3 TB/s there, against
+4.8 TB/s for the forward (4.3 TB/s for the target at H 128, where the products bound it).
+The call allocates only its output (peak memory over the inputs = the ``[T, topk]`` fp32 row).
 """
 
 from __future__ import annotations
@@ -116,9 +138,10 @@ class IndexerTargetSm90:
         return sQ, sK
 
     def _smem_bytes(self):
-        # Q, the ring, sValid (2 x 64 int32), the 8 warps' sums, 2 ring + 1 Q mbarriers, slack
+        # Q, the ring, sValid (2 x 64 int32), the 8 warps' sums, 2 ring + n_chunks Q mbarriers,
+        # slack
         return (self.q_bytes + self.ring * self.chunk_bytes + 2 * TILE_KEYS * 4 + 8 * 4
-                + (2 * self.ring + 1) * 8 + 1024)
+                + (2 * self.ring + self.n_chunks) * 8 + 1024)
 
     @cute.jit
     def __call__(
@@ -185,17 +208,18 @@ class IndexerTargetSm90:
         # validity (1 / 0) of each key of the blocks of each parity
         sValid = smem.allocate_tensor(Int32, cute.make_layout((TILE_KEYS, 2)), 16)
         sSum = smem.allocate_tensor(Float32, cute.make_layout((8,)), 16)  # per consumer warp
-        mbar = smem.allocate_array(Int64, 2 * self.ring + 1)
+        mbar = smem.allocate_array(Int64, 2 * self.ring + self.n_chunks)
         mbar_full = mbar
         mbar_empty = mbar + self.ring
-        mbar_q = mbar + 2 * self.ring
+        mbar_q = mbar + 2 * self.ring  # one per 64-column chunk of Q
 
         if tidx == 0:
             for s in cutlass.range_constexpr(self.ring):
                 # 128 cp.async arrivals + 16 plain ones (the threads that may write sValid)
                 cute.arch.mbarrier_init(mbar_full + s, 128 + 16)
                 cute.arch.mbarrier_init(mbar_empty + s, 128)
-            cute.arch.mbarrier_init(mbar_q, 128)
+            for c in cutlass.range_constexpr(self.n_chunks):
+                cute.arch.mbarrier_init(mbar_q + c, 128)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -212,19 +236,6 @@ class IndexerTargetSm90:
             kv_base = mKV.iterator.toint()
             keep = create_policy(True)  # key rows: read by many tokens
             stream_once = create_policy(False)  # Q: read once
-            for p in cutlass.range_constexpr(self.tile_heads // 16):
-                r = p * 16 + row_in_pass
-                ok = r < num_heads
-                src = cutlass.select_(ok, q_base + (Int64(t) * num_heads + r) * row_bytes, q_base)
-                for c in cutlass.range_constexpr(self.n_chunks):
-                    cp_async_16(
-                        sQ_addr + _sw128_offset_bytes(r, vec, 0) + c * (self.tile_heads * 128),
-                        src + (c * CHUNK + vec * 8) * elem,
-                        cutlass.select_(ok, Int32(16), Int32(0)),
-                        stream_once,
-                    )
-            cute.arch.cp_async_mbarrier_arrive_noinc(mbar_q)
-
             passes = TILE_KEYS // 16
             idx_next = cute.make_rmem_tensor((passes,), Int32)
             idx_cur = cute.make_rmem_tensor((passes,), Int32)
@@ -235,6 +246,12 @@ class IndexerTargetSm90:
                 # the next block's indices are in flight while this block is issued
                 self._load_indices(idx_next, mIdx, t, b + 1, n_valid, row_in_pass)
                 for c in cutlass.range_constexpr(self.n_chunks):
+                    if b == 0:
+                        # Q's chunk c with the first block's: the products start before all of
+                        # Q has landed
+                        self._copy_q_chunk(sQ_addr, q_base, t, num_heads, row_bytes, c, vec,
+                                           row_in_pass, stream_once)
+                        cute.arch.cp_async_mbarrier_arrive_noinc(mbar_q + c)
                     g = b * self.n_chunks + c
                     slot = g % self.ring
                     cute.arch.mbarrier_wait(mbar_empty + slot, ((g // self.ring) & 1) ^ 1)
@@ -286,7 +303,6 @@ class IndexerTargetSm90:
             total = cute.make_rmem_tensor((1,), Float32)
             total[0] = Float32(0.0)
 
-            cute.arch.mbarrier_wait(mbar_q, 0)
             for blk in cutlass.range(role, n_blocks, 2, unroll=1):
                 mma = cute.make_mma_atom(tiled_mma.op)
                 mma.set(warpgroup.Field.ACCUMULATE, False)
@@ -297,6 +313,7 @@ class IndexerTargetSm90:
                     if const_expr(c == 0):
                         for r in cutlass.range_constexpr(2):
                             valid[r] = sValid[rows[r], role] != 0
+                    cute.arch.mbarrier_wait(mbar_q + c, 0)  # returns at once after block 0
                     cute.arch.fence_view_async_shared()  # cp.async (generic proxy) -> wgmma
                     warpgroup.fence()
                     for k in cutlass.range_constexpr(CHUNK // 16):
@@ -315,6 +332,23 @@ class IndexerTargetSm90:
                                     mTarget, t, blk, topk, lane)
             self._normalise(total, sSum, mIdx, mTarget, t, n_valid, seqlen_kv, pos, topk,
                             tidx - 128, lane)
+
+    @cute.jit
+    def _copy_q_chunk(self, sQ_addr, q_base, t, num_heads, row_bytes, c: cutlass.Constexpr, vec,
+                      row_in_pass, policy):
+        """This thread's share of Q's 64-column chunk ``c``: vector ``vec`` of rows
+        ``16 p + row_in_pass``; rows of padded heads are zero-filled without a read."""
+        elem = self.dtype.width // 8
+        for p in cutlass.range_constexpr(self.tile_heads // 16):
+            r = p * 16 + row_in_pass
+            ok = r < num_heads
+            src = cutlass.select_(ok, q_base + (Int64(t) * num_heads + r) * row_bytes, q_base)
+            cp_async_16(
+                sQ_addr + _sw128_offset_bytes(r, vec, 0) + c * (self.tile_heads * 128),
+                src + (c * CHUNK + vec * 8) * elem,
+                cutlass.select_(ok, Int32(16), Int32(0)),
+                policy,
+            )
 
     @cute.jit
     def _load_indices(self, rIdx, mIdx, t, b, n_valid, row_in_pass):
