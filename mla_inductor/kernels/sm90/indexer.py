@@ -73,7 +73,8 @@ T       H    target ms        forward ms  ratio
 ======  ===  ===============  ==========  ========
 
 Loading Q whole before the first product (one mbarrier) instead of chunk by chunk with the first
-block was 9% slower (2.464 / 9.622 ms at H 128, ratios 0.614 / 0.589). At H 64 the forward too
+block was 8-9% slower (2.464 / 9.622 ms at H 128, T 4096 / 16384: 0.614 / 0.589 of the forward
+of that run). At H 64 the forward too
 gathers each key row once per token, so the ratio is bounded by the gathers rather than by the
 FLOPs: the target moves T topk 1152 bytes from L2 (9.7 GB at T 4096) at 6.3 TB/s there, against
 4.8 TB/s for the forward (4.3 TB/s for the target at H 128, where the products bound it).
