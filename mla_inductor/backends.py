@@ -139,10 +139,10 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) 
     ``"indexer_target"``: the protocol function of :mod:`mla_inductor.kernels` it calls).
 
     ``dims = (T, H, S, d_qk, d_v, features)`` (features: a frozenset of ``causal``, ``sink``,
-    ``max_logits``, ``dlse``) lets ``auto`` skip a kernel backend that does not support the
+    ``max_logits``, ``dlse``; ``d_v`` 0 for the indexer target, which reads no values) lets ``auto`` skip a kernel backend that does not support the
     problem (its ``supports()`` says why) in favour of the reference; a forced backend raises.
     Every such fallback of ``auto`` on a CUDA device warns (see the module docstring), and so
-    does a forced backend without the function (the indexer target on the GPU backends), which
+    does a forced backend without the function (the indexer target on sm100), which
     runs the reference; a forced backend without a backward pairs with the reference backward
     silently.
 

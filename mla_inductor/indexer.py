@@ -65,7 +65,11 @@ def indexer_target(
             kernel at trace time), or a forced backend that cannot run here.
     """
     _check(q, kv, indices, topk_length, q_positions, attn_sink, lse)
-    backend = backends.select(q.device, q.dtype, "indexer_target")
+    # d_v 0: the target reads no values
+    features = frozenset(name for name, on in (("causal", q_positions is not None),
+                                               ("sink", attn_sink is not None)) if on)
+    dims = (q.shape[0], q.shape[1], kv.shape[0], q.shape[2], 0, features)
+    backend = backends.select(q.device, q.dtype, "indexer_target", dims)
     return backend.indexer_target(
         q.contiguous(),
         kv.contiguous(),

@@ -15,7 +15,7 @@ from conftest import rel_l2
 from mla_inductor.bench import cli, hf, timing
 
 
-@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["hf"]])
+@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["indexer"], ["hf"]])
 def test_help_at_every_level(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*argv, "--help"])
@@ -28,10 +28,29 @@ def test_help_at_every_level(argv, capsys):
         assert all(name in text for name in cli.SUBCOMMANDS)
 
 
+def test_indexer_parser_defaults_and_flags():
+    """``indexer`` defaults to the issue's shapes (T 4096 16384, H 128 64, topk 2048, S = T,
+    random indices) and takes the shared shape flags and the protocol."""
+    from mla_inductor.bench import indexer
+
+    args = cli.build_parser().parse_args(["indexer"])
+    assert (args.T, args.H, args.topk, args.S, args.indices, args.protocol) == (
+        [4096, 16384], [128, 64], 2048, "T", ["random"], "sustained")
+    assert args.run is indexer.run
+    args = cli.build_parser().parse_args(
+        ["indexer", "--T", "128", "--H", "16", "--topk", "64", "--S", "2T", "--indices",
+         "random", "causal", "--protocol", "cooled"])
+    assert (args.T, args.H, args.topk, args.S, args.indices, args.protocol) == (
+        [128], [16], 64, "2T", ["random", "causal"], "cooled")
+    # the other subcommands keep their defaults
+    fwd_args = cli.build_parser().parse_args(["fwd"])
+    assert fwd_args.S == "2T" and fwd_args.indices == ["random", "causal"]
+
+
 def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
     run = [sys.executable, "-m", "mla_inductor.bench"]
     shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0 and "{fwd,bwd,train,hf}" in shown.stdout
+    assert shown.returncode == 0 and "{fwd,bwd,train,indexer,hf}" in shown.stdout
     wrong = subprocess.run([*run, "fw"], capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "invalid choice: 'fw'" in wrong.stderr
 

@@ -2,7 +2,8 @@
 written here from its definition (the attention's softmax over the valid slots with the sink,
 summed over heads, L1-normalised) for every index pattern, batched and unbatched; rows that sum
 to 1; the reference's chunking; opcheck; one fullgraph graph with the attention, the target and
-the loss; the fallback warning on a CUDA device; ``indexer_kl_loss`` against fp64 autograd."""
+the loss; backend selection on a CUDA device (sm90's kernel, the fallback warning);
+``indexer_kl_loss`` against fp64 autograd."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from conftest import CPU_BACKENDS, fallback_warnings
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from mla_inductor import indexer_kl_loss, indexer_target, sparse_mla, use_backend
+from mla_inductor import backends, indexer_kl_loss, indexer_target, sparse_mla, use_backend
 from mla_inductor.kernels import reference, sm90, sm100
 
 D, DV, SCALE = 40, 32, 0.3
@@ -223,24 +224,54 @@ def test_inductor_without_implicit_fallbacks():
     torch.testing.assert_close(got, f(q, kv), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("cap,module", [((9, 0), sm90), ((10, 0), sm100)], ids=["sm90", "sm100"])
-def test_auto_on_a_gpu_warns_the_fallback(fake_gpu, monkeypatch, cap, module):
-    fake_gpu(cap)
-    monkeypatch.setattr(module, "available", lambda: (True, ""))
-    call = (CUDA, torch.bfloat16, "indexer_target")
+def _dims(H, d_qk=576, features=frozenset()):
+    """The ``dims`` the op passes to ``backends.select`` (d_v 0: the target reads no values)."""
+    return (16, H, 64, d_qk, 0, features)
+
+
+def test_auto_on_sm100_warns_the_fallback(fake_gpu, monkeypatch):
+    fake_gpu((10, 0))
+    monkeypatch.setattr(sm100, "available", lambda: (True, ""))
+    call = (CUDA, torch.bfloat16, "indexer_target", _dims(128))
     [message] = fallback_warnings(call, call)
-    arch = module.__name__.rpartition(".")[2]
     assert message == (
         "mla_inductor: sparse-MLA indexer_target falls back to the PyTorch reference backend, "
-        f"which is much slower (often 50-100x): the {arch} backend has no indexer_target kernel yet"
+        "which is much slower (often 50-100x): the sm100 backend has no indexer_target kernel yet"
     )
 
 
-def test_forced_gpu_backend_warns_the_fallback(fake_gpu, monkeypatch):
+@pytest.mark.parametrize("H,d_qk", [(1, 576), (64, 512), (128, 576)])
+def test_auto_on_sm90_picks_the_kernel(fake_gpu, monkeypatch, H, d_qk):
+    fake_gpu((9, 0))
     monkeypatch.setattr(sm90, "available", lambda: (True, ""))
+    dims = _dims(H, d_qk, frozenset({"causal", "sink"}))
+    assert backends.select(CUDA, torch.bfloat16, "indexer_target", dims) is sm90
+
+
+@pytest.mark.parametrize("H,d_qk,reason", [
+    (129, 576, "sm90 indexer target supports at most 128 heads, got 129"),
+    (64, 128, "sm90 indexer target supports d_qk in (576, 512), got 128"),
+])
+def test_auto_on_sm90_warns_for_what_the_kernel_does_not_take(fake_gpu, monkeypatch, H, d_qk,
+                                                              reason):
+    fake_gpu((9, 0))
+    monkeypatch.setattr(sm90, "available", lambda: (True, ""))
+    [message] = fallback_warnings((CUDA, torch.bfloat16, "indexer_target", _dims(H, d_qk)))
+    assert message.endswith(f"(often 50-100x): {reason}")
+
+
+def test_forced_gpu_backends(fake_gpu, monkeypatch):
+    """Forced sm90 runs its kernel and raises what it does not take; forced sm100 (no kernel)
+    falls back with the warning."""
+    monkeypatch.setattr(sm90, "available", lambda: (True, ""))
+    monkeypatch.setattr(sm100, "available", lambda: (True, ""))
     with use_backend("sm90"):
-        [message] = fallback_warnings((CUDA, torch.bfloat16, "indexer_target"))
-    assert message.endswith("the sm90 backend has no indexer_target kernel yet")
+        assert backends.select(CUDA, torch.bfloat16, "indexer_target", _dims(128)) is sm90
+        with pytest.raises(RuntimeError, match="sm90 indexer target supports at most 128 heads"):
+            backends.select(CUDA, torch.bfloat16, "indexer_target", _dims(256))
+    with use_backend("sm100"):
+        [message] = fallback_warnings((CUDA, torch.bfloat16, "indexer_target", _dims(128)))
+    assert message.endswith("the sm100 backend has no indexer_target kernel yet")
 
 
 def kl_fp64(logits, target, valid):

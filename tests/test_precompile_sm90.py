@@ -13,7 +13,8 @@ from mla_inductor.kernels import sm90  # noqa: E402
 
 def test_precompile_two_thresholds_are_two_kernels(tmp_path):
     compiled = mla_inductor.precompile(
-        arch="sm_90a", thresholds=(0.0, 8.0), o_lo=(False,), topk_length=(False,), backward_heads=()
+        arch="sm_90a", thresholds=(0.0, 8.0), o_lo=(False,), topk_length=(False,), backward_heads=(),
+        indexer_heads=()
     )
     assert len(compiled) == 2
     (key_exact, exact), (key_lazy, lazy) = sorted(compiled.items(), key=lambda kv: kv[0][3])
@@ -28,7 +29,8 @@ def test_precompile_two_thresholds_are_two_kernels(tmp_path):
     assert paths[0] != paths[1]
     # a second call is served from the cache: the very same objects
     again = sm90.precompile(
-        "sm_90a", thresholds=(0.0, 8.0), o_lo=(False,), topk_length=(False,), backward_heads=()
+        "sm_90a", thresholds=(0.0, 8.0), o_lo=(False,), topk_length=(False,), backward_heads=(),
+        indexer_heads=()
     )
     assert again[key_exact] is exact and again[key_lazy] is lazy
 

@@ -28,18 +28,20 @@ def make_indices(
 KV_LENGTHS = {"2T": 2, "T": 1}  # --S: kv rows per token
 
 
-def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+def add_shape_arguments(parser: argparse.ArgumentParser, *, kv_length: str = "2T",
+                        patterns: tuple = PATTERNS) -> None:
     """Adds the shape flags every subcommand shares: ``--T`` (token counts), ``--S`` (kv length,
-    ``2T`` or ``T``), ``--H`` (head counts), ``--topk`` and ``--indices`` (index patterns)."""
+    ``2T`` or ``T``; default ``kv_length``), ``--H`` (head counts), ``--topk`` and ``--indices``
+    (index patterns; default ``patterns``)."""
     parser.add_argument("--T", type=int, nargs="+", default=[4096, 16384],
                         help="token counts T; default: 4096 16384")
-    parser.add_argument("--S", choices=list(KV_LENGTHS), default="2T",
-                        help="kv length S: 2T (default) or T (the long-context rows)")
+    parser.add_argument("--S", choices=list(KV_LENGTHS), default=kv_length,
+                        help=f"kv length S: 2T or T (the long-context rows); default: {kv_length}")
     parser.add_argument("--H", type=int, nargs="+", default=[128, 64],
                         help="head counts; default: 128 64")
     parser.add_argument("--topk", type=int, default=2048, help="slots per token; default: 2048")
-    parser.add_argument("--indices", choices=PATTERNS, nargs="+", default=list(PATTERNS),
-                        help="index patterns; default: random causal")
+    parser.add_argument("--indices", choices=PATTERNS, nargs="+", default=list(patterns),
+                        help=f"index patterns; default: {' '.join(patterns)}")
 
 
 def require_sm90(what: str) -> None:

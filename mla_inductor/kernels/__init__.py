@@ -48,11 +48,12 @@ sm_scale, d_v) -> (dq, dkv, d_sink)``
     ``target [T, topk]`` float32: ``sum_h exp(sm_scale * q[t, h] . k_j - lse[t, h])`` on the valid
     slots, divided by its sum over the row's valid slots; exactly 0 on empty slots and on rows
     without a valid slot (or whose sum is 0). Empty slots are never read, as in the forward.
-    ``reference`` and ``emulate`` have it; ``auto`` falls back to the reference (with the
-    warning) on a CUDA backend without it, and a forced one does the same.
+    ``reference``, ``emulate`` and ``sm90`` have it; ``auto`` falls back to the reference (with
+    the warning) on a CUDA backend without it, and a forced one does the same.
 
 ``supports(dtype, direction, T, H, S, d_qk, d_v, features) -> tuple[bool, str]`` (optional)
-    Whether the backend handles this problem (``direction``: ``"forward"`` or ``"backward"``;
+    Whether the backend handles this problem (``direction``: ``"forward"``, ``"backward"`` or
+    ``"indexer_target"``, whose ``d_v`` is 0: it reads no values;
     ``features``: a frozenset of ``"causal"``,
     ``"sink"``, ``"max_logits"``, ``"dlse"``); ``auto`` falls back to the reference when not,
     a forced backend raises the reason.

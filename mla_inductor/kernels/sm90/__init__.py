@@ -1,5 +1,6 @@
 """Our Hopper (SM90a) sparse-MLA kernels, written in CuTe DSL (backend protocol of
-:mod:`mla_inductor.kernels`). The forward is in :mod:`.fwd`."""
+:mod:`mla_inductor.kernels`). The forward is in :mod:`.fwd`, the backward in :mod:`.bwd`, the
+indexer's training target in :mod:`.indexer`."""
 
 from __future__ import annotations
 
@@ -23,13 +24,27 @@ def available() -> tuple[bool, str]:
 SUPPORTED_DIMS = ((576, 512), (512, 512))  # (d_qk, d_v)
 
 
+INDEXER_D_QK = (576, 512)
+INDEXER_MAX_HEADS = 128
+
+
 def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tuple[bool, str]:
     """Whether the kernels handle this problem (``auto`` falls back to the reference if not):
     bf16/fp16 and ``(d_qk, d_v)`` in :data:`SUPPORTED_DIMS`. Every T, S, H and topk is supported
     (64-bit offsets wherever a product of sizes can pass 2**31), limited only by GPU memory, and
-    every feature (``causal``, ``sink``, ``max_logits``, ``dlse``)."""
+    every feature (``causal``, ``sink``, ``max_logits``, ``dlse``). The indexer target
+    (``direction`` ``"indexer_target"``, which reads no values: ``d_v`` is not looked at) takes
+    ``d_qk`` in :data:`INDEXER_D_QK` and at most :data:`INDEXER_MAX_HEADS` heads (one CTA holds
+    all the heads of a token)."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False, f"sm90 kernels take bfloat16 or float16, got {dtype}"
+    if direction == "indexer_target":
+        if d_qk not in INDEXER_D_QK:
+            return False, f"sm90 indexer target supports d_qk in {INDEXER_D_QK}, got {d_qk}"
+        if H > INDEXER_MAX_HEADS:
+            return False, (f"sm90 indexer target supports at most {INDEXER_MAX_HEADS} heads, "
+                           f"got {H}")
+        return True, ""
     if (d_qk, d_v) not in SUPPORTED_DIMS:
         return False, f"sm90 kernels support (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}"
     return True, ""
@@ -47,21 +62,24 @@ def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, 
 
 def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576, d_v: int = 512,
                thresholds=(0.0, 8.0), o_lo=(False, True), topk_length=(False, True),
-               backward_heads=(128,), backward_o_lo=(True,)) -> dict:
+               backward_heads=(128,), backward_o_lo=(True,), indexer_heads=(128,),
+               indexer_positions=(False, True)) -> dict:
     """Compiles the kernels for ``arch`` without a GPU; returns ``{compile_key: fn}``.
 
     Forward: every combination of ``dtypes`` x ``thresholds`` x ``o_lo`` x ``topk_length``.
     Backward (its head count is static): ``dtypes`` x ``backward_heads`` x ``topk_length`` x
     ``backward_o_lo`` (whether the forward's o_lo is passed; a training forward always returns
-    it); pass ``backward_heads=()`` to skip it. Everything is cached, so later calls on a GPU do not
-    compile again.
+    it); pass ``backward_heads=()`` to skip it. Indexer target (its head tile, 64 or 128, is
+    static): ``dtypes`` x the tiles of ``indexer_heads`` x ``topk_length`` x
+    ``indexer_positions`` (causal positions given); pass ``indexer_heads=()`` to skip it.
+    Everything is cached, so later calls on a GPU do not compile again.
 
     Raises:
         ValueError: for an arch other than ``sm_90a``.
     """
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
-    from . import bwd, fwd
+    from . import bwd, fwd, indexer
 
     compiled = {}
     with fwd.target_arch(arch):
@@ -75,6 +93,10 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
         compiled.update(bwd.precompile_backward(
             arch, dtypes=dtypes, heads=backward_heads, d_qk=d_qk, d_v=d_v, topk_length=topk_length,
             o_lo=backward_o_lo))
+    if indexer_heads:
+        compiled.update(indexer.precompile_target(
+            arch, dtypes=dtypes, d_qk=d_qk, heads=indexer_heads, topk_length=topk_length,
+            positions=indexer_positions))
     return compiled
 
 
@@ -85,3 +107,12 @@ def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, ou
 
     return bwd.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v,
                         q_positions=q_positions, attn_sink=attn_sink, dlse=dlse)
+
+
+def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
+    """See :func:`mla_inductor.kernels.sm90.indexer.indexer_target` (``attn_sink`` is inside
+    ``lse`` and not read)."""
+    from . import indexer
+
+    del attn_sink
+    return indexer.indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale)
