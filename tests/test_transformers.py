@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mla_inductor.integrations import transformers as hf
+from mla_inductor.integrations import transformers_indexer
 from transformers import (
     DeepseekV32Config,
     DeepseekV32ForCausalLM,
@@ -110,12 +111,30 @@ def test_batch_with_left_padding(name):
     assert rel_l2(out_bool[keep], ref[keep]) <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_logits_do_not_depend_on_the_indexer_chunk(name, monkeypatch):
+    """The switched model's indexer top-k in chunks of one query token gives bitwise the logits of
+    one chunk for all 64 tokens (GLM's second layer reuses the first's top-k)."""
+    model = _model(name)
+    hf.apply(model)
+    ids = _ids(2, 64)
+    with torch.no_grad():
+        whole = model(ids, use_cache=False).logits
+        monkeypatch.setattr(transformers_indexer, "SCORE_BYTES", 1)
+        chunked = model(ids, use_cache=False).logits
+    assert torch.equal(chunked, whole)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one_chunk", "chunk1"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
-def test_greedy_generation_with_cache(name, cache, monkeypatch):
+def test_greedy_generation_with_cache(name, cache, chunked, monkeypatch):
     """8 greedy tokens from 40-token prompts (topk 16 < the context); the prefill and every decode
     step read the model's cache through the op. The static cache's run is a batch of 2, one row
-    left-padded by 7 tokens (its unfilled rows and the padding are hidden by the mask)."""
+    left-padded by 7 tokens (its unfilled rows and the padding are hidden by the mask). ``chunk1``:
+    the switched indexer scores one query token at a time."""
+    if chunked:
+        monkeypatch.setattr(transformers_indexer, "SCORE_BYTES", 1)
     model = _model(name)
     B = 1 if cache == "dynamic" else 2
     ids = _ids(B, 40)
