@@ -15,6 +15,7 @@ from mla_inductor.integrations import transformers as hf
 from mla_inductor.integrations import transformers_indexer
 from transformers import (
     DeepseekV32Config,
+    DynamicCache,
     DeepseekV32ForCausalLM,
     GlmMoeDsaConfig,
     GlmMoeDsaForCausalLM,
@@ -185,6 +186,33 @@ def test_decoder_layer_compiles_fullgraph(name):
         assert (c is None) == (e is None)
         if e is not None:
             assert rel_l2(c, e) <= 1e-6
+
+
+def test_cache_also_under_its_older_name_past_key_values():
+    """transformers 5.17's decoder layers pass the cache as ``past_key_values=`` (5.24's
+    ``cache=``): a prefill of 24 tokens and one decode step give bitwise the same outputs and
+    cache lengths under either name; both names at once are refused."""
+    model = _model("deepseek_v32")
+    hf.apply(model)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 25, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(25)[None]
+    rope = model.model.rotary_emb(x, pos)
+    seen = torch.ones(25, 25, dtype=torch.bool).tril()[None, None]
+    runs = []
+    for name in ("cache", "past_key_values"):
+        cache, outs = DynamicCache(config=model.config), []
+        with torch.no_grad():
+            for t0, t1 in ((0, 24), (24, 25)):
+                out, _ = attn(x[:, t0:t1], tuple(r[:, t0:t1] for r in rope), seen[..., t0:t1, :t1],
+                              position_ids=pos[:, t0:t1], **{name: cache})
+                outs.append((out, cache.get_seq_length()))
+        runs.append(outs)
+    assert [n for _, n in runs[0]] == [24, 25]
+    assert all(torch.equal(a, b) and m == n for (a, m), (b, n) in zip(*runs))
+    with pytest.raises(RuntimeError, match="^mla_inductor: the switched DSA attention got both"):
+        attn(x, rope, seen, cache=DynamicCache(config=model.config),
+             past_key_values=DynamicCache(config=model.config))
 
 
 def test_errors():

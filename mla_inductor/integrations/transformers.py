@@ -114,11 +114,19 @@ def _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddin
 
 
 def _forward(attn, hidden_states, position_embeddings, attention_mask, cache=None,
-             position_ids=None, prev_topk_indices=None, **kwargs):
+             position_ids=None, prev_topk_indices=None, past_key_values=None, **kwargs):
     """The switched layer's forward, bound to the layer as a method (so that ``copy.deepcopy`` of a
-    switched model binds the copy's own layer). Takes what transformers' forward takes.
-    ``position_ids`` is unused (transformers' indexer takes it only for backward compatibility;
-    RoPE comes in ``position_embeddings``)."""
+    switched model binds the copy's own layer). Takes what transformers' forward takes, the cache
+    as ``cache=`` (5.24) or ``past_key_values=`` (its older name: 5.17's layers pass it so, and
+    5.24's forward still accepts it). ``position_ids`` is unused (transformers' indexer takes it
+    only for backward compatibility; RoPE comes in ``position_embeddings``)."""
+    if past_key_values is not None:
+        if cache is not None:
+            raise RuntimeError(
+                "mla_inductor: the switched DSA attention got both cache= and past_key_values= "
+                "(two names for the same argument); pass one"
+            )
+        cache = past_key_values
     rope, index_rope, returns_topk = _LAYERS[type(attn)]
     out, topk = _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddings,
                                     attention_mask, cache, prev_topk_indices, kwargs)
