@@ -77,7 +77,7 @@ def test_hf_tiny_prints_every_row_on_the_cpu(capsys):
                     r".*, transformers 5\.24\.\d+, hidden 64, 4 heads, .* float32;", lines[0])
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[3:]]
     assert [(int(r[0]), r[1]) for r in rows] == [
-        (T, mode) for T in (64, 128) for mode in (*hf.MODES, hf.INDEXER_ROW)]
+        (T, mode) for T in (64, 128) for mode in (*hf.MODES, *hf.INDEXER_ROWS)]
     for T, mode, ms, peak, speedup in rows:
         assert float(ms) > 0 and peak == "-"
         assert re.fullmatch(r"\d+\.\dx", speedup) if mode == "patched" else speedup == ""
@@ -99,7 +99,7 @@ def test_hf_reports_an_out_of_memory_and_goes_on(monkeypatch, capsys):
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in capsys.readouterr().out.splitlines()[3:]]
     assert rows[0] == ["64", "eager", "OOM", "OOM", ""]
-    assert [r[1] for r in rows] == [*hf.MODES, hf.INDEXER_ROW]
+    assert [r[1] for r in rows] == [*hf.MODES, *hf.INDEXER_ROWS]
     sdpa, patched = float(rows[1][2]), float(rows[2][2])
     assert rows[2][4].endswith("x")
     assert float(rows[2][4][:-1]) == pytest.approx(sdpa / patched, abs=0.1)  # ms printed rounded

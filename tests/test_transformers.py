@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from mla_inductor.integrations import transformers as hf
+from mla_inductor.integrations import transformers_indexer
 from transformers import (
     DeepseekV32Config,
+    DynamicCache,
     DeepseekV32ForCausalLM,
     GlmMoeDsaConfig,
     GlmMoeDsaForCausalLM,
@@ -110,12 +112,30 @@ def test_batch_with_left_padding(name):
     assert rel_l2(out_bool[keep], ref[keep]) <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_logits_do_not_depend_on_the_indexer_chunk(name, monkeypatch):
+    """The switched model's indexer top-k in chunks of one query token gives bitwise the logits of
+    one chunk for all 64 tokens (GLM's second layer reuses the first's top-k)."""
+    model = _model(name)
+    hf.apply(model)
+    ids = _ids(2, 64)
+    with torch.no_grad():
+        whole = model(ids, use_cache=False).logits
+        monkeypatch.setattr(transformers_indexer, "SCORE_BYTES", 1)
+        chunked = model(ids, use_cache=False).logits
+    assert torch.equal(chunked, whole)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["one_chunk", "chunk1"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
-def test_greedy_generation_with_cache(name, cache, monkeypatch):
+def test_greedy_generation_with_cache(name, cache, chunked, monkeypatch):
     """8 greedy tokens from 40-token prompts (topk 16 < the context); the prefill and every decode
     step read the model's cache through the op. The static cache's run is a batch of 2, one row
-    left-padded by 7 tokens (its unfilled rows and the padding are hidden by the mask)."""
+    left-padded by 7 tokens (its unfilled rows and the padding are hidden by the mask). ``chunk1``:
+    the switched indexer scores one query token at a time."""
+    if chunked:
+        monkeypatch.setattr(transformers_indexer, "SCORE_BYTES", 1)
     model = _model(name)
     B = 1 if cache == "dynamic" else 2
     ids = _ids(B, 40)
@@ -166,6 +186,33 @@ def test_decoder_layer_compiles_fullgraph(name):
         assert (c is None) == (e is None)
         if e is not None:
             assert rel_l2(c, e) <= 1e-6
+
+
+def test_cache_also_under_its_older_name_past_key_values():
+    """transformers 5.17's decoder layers pass the cache as ``past_key_values=`` (5.24's
+    ``cache=``): a prefill of 24 tokens and one decode step give bitwise the same outputs and
+    cache lengths under either name; both names at once are refused."""
+    model = _model("deepseek_v32")
+    hf.apply(model)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 25, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(25)[None]
+    rope = model.model.rotary_emb(x, pos)
+    seen = torch.ones(25, 25, dtype=torch.bool).tril()[None, None]
+    runs = []
+    for name in ("cache", "past_key_values"):
+        cache, outs = DynamicCache(config=model.config), []
+        with torch.no_grad():
+            for t0, t1 in ((0, 24), (24, 25)):
+                out, _ = attn(x[:, t0:t1], tuple(r[:, t0:t1] for r in rope), seen[..., t0:t1, :t1],
+                              position_ids=pos[:, t0:t1], **{name: cache})
+                outs.append((out, cache.get_seq_length()))
+        runs.append(outs)
+    assert [n for _, n in runs[0]] == [24, 25]
+    assert all(torch.equal(a, b) and m == n for (a, m), (b, n) in zip(*runs))
+    with pytest.raises(RuntimeError, match="^mla_inductor: the switched DSA attention got both"):
+        attn(x, rope, seen, cache=DynamicCache(config=model.config),
+             past_key_values=DynamicCache(config=model.config))
 
 
 def test_errors():

@@ -9,13 +9,16 @@ gradient, every parameter's gradient) at each T, in three modes:
 - ``eager``, ``sdpa``: the layer as transformers runs it with that ``attn_implementation`` (keys
   and values expanded per head, the indexer's top-k folded into a dense [1, 1, T, T] mask);
 - ``patched``: the same layer after :func:`mla_inductor.integrations.transformers.apply` (the
-  absorbed form on ``sparse_mla``), on the sdpa (bool) mask.
+  absorbed form on ``sparse_mla``, the indexer's top-k in query chunks), on the sdpa (bool) mask.
 
-A fourth row, ``indexer alone (fwd)``, times transformers' indexer by itself: it runs, under
-``no_grad``, inside every mode above, and its float32 scores ``[1, T, 64, T]`` are O(T²) in
-all of them. The causal mask and the position embeddings are built as ``DeepseekV32Model``
-builds them, once per T and mode, outside the timed calls (the model builds them once for all
-its layers).
+Two more rows time the layer's indexer alone (forward, under ``no_grad`` as in the layer; the
+same top-k): ``transformers' indexer alone (fwd)``, the module's own forward, which runs inside
+eager and sdpa (float32 scores ``[1, T, 64, T]`` and a float32 copy of its keys per query token,
+``[T, 128, T]``: O(T²)), and ``chunked indexer alone (fwd)``,
+:func:`mla_inductor.integrations.transformers_indexer.indexer_topk`, which runs inside patched
+(float32 scores of at most 256 MiB at once). The causal mask and the position embeddings are
+built as ``DeepseekV32Model`` builds them, once per T and mode, outside the timed calls (the
+model builds them once for all its layers).
 
 ms = median of ``--iters`` calls after ``--warmup`` untimed ones, CUDA events
 (:func:`mla_inductor.bench.timing.time_ms_calls`; the patched mode's first call compiles its
@@ -51,7 +54,7 @@ YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
             original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
             mscale_all_dim=1.0)
 MODES = ("eager", "sdpa", "patched")
-INDEXER_ROW = "indexer alone (fwd)"
+INDEXER_ROWS = ("transformers' indexer alone (fwd)", "chunked indexer alone (fwd)")
 
 
 class Inputs(NamedTuple):
@@ -171,6 +174,9 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5)
     """Prints the table (module docstring) for token counts ``Ts`` and ``index_topk = topk``: real
     sizes in bf16 on CUDA, or with ``tiny`` :data:`TINY` in float32 on the CPU."""
     import transformers
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
+
+    from mla_inductor.integrations.transformers_indexer import indexer_topk
 
     device = torch.device("cpu" if tiny else "cuda")
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -213,12 +219,15 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5)
             mask = causal_mask(attn, inputs)[:, 0]
         with torch.no_grad():
             q_resid = attn.q_a_layernorm(attn.q_a_proj(inputs.hidden_states))
-        indexer = measure(lambda: attn.indexer(inputs.hidden_states, q_resid,
-                                               inputs.position_embeddings, mask,
-                                               inputs.position_ids),
-                          device, warmup, iters)
-        print(f"| {T} | {INDEXER_ROW} | {_cells(indexer)} | |", flush=True)
-        del inputs, mask, q_resid
+        indexers = (
+            lambda: attn.indexer(inputs.hidden_states, q_resid, inputs.position_embeddings, mask,
+                                 inputs.position_ids),
+            lambda: indexer_topk(attn.indexer, dsv32.apply_rotary_pos_emb, inputs.hidden_states,
+                                 q_resid, inputs.position_embeddings, mask),
+        )
+        for row, fn in zip(INDEXER_ROWS, indexers):
+            print(f"| {T} | {row} | {_cells(measure(fn, device, warmup, iters))} | |", flush=True)
+        del inputs, mask, q_resid, indexers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

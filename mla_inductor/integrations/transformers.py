@@ -14,8 +14,10 @@ absorbed into the query, W^UV into the output; DSA on MLA's MQA mode, DeepSeek-V
   ``out[h] = o_lat[h] @ W_uv[h]ᵀ`` and the layer's ``o_proj``.
 
 ``W_uk`` / ``W_uv`` are views of ``kv_b_proj.weight`` taken at every call: no copies, so training
-updates the model's own parameters. The indexer, the RoPE and every projection are the layer's
-own modules and functions.
+updates the model's own parameters. The RoPE and every projection are the layer's own modules and
+functions. The indexer's top-k comes from its own parameters and functions too, computed in query
+chunks by :func:`~mla_inductor.integrations.transformers_indexer.indexer_topk` (the same indices;
+float32 scores of at most 256 MiB at once instead of ``[B, T, index_n_heads, S]``).
 """
 
 from __future__ import annotations
@@ -30,12 +32,17 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as _dsv32
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as _glm
 
 from ..api import sparse_mla
+from .transformers_indexer import indexer_topk
 
-# The attention classes switched, each with its model's RoPE (interleaved pairs) and whether its
-# forward also returns the top-k (GLM passes it to the next layer, whose "shared" indexer reuses it).
+# The attention classes switched, each with its model's RoPE for the attention (interleaved pairs),
+# the RoPE its indexer applies (DeepSeek-V3.2: half-split; GLM-5: interleaved pairs) and whether
+# its forward also returns the top-k (GLM passes it to the next layer, whose "shared" indexer
+# reuses it).
 _LAYERS = {
-    _dsv32.DeepseekV32Attention: (_dsv32.apply_rotary_pos_emb_interleave, False),
-    _glm.GlmMoeDsaAttention: (_glm.apply_rotary_pos_emb_interleave, True),
+    _dsv32.DeepseekV32Attention: (_dsv32.apply_rotary_pos_emb_interleave,
+                                  _dsv32.apply_rotary_pos_emb, False),
+    _glm.GlmMoeDsaAttention: (_glm.apply_rotary_pos_emb_interleave,
+                              _glm.apply_rotary_pos_emb_interleave, True),
 }
 
 
@@ -56,8 +63,8 @@ def _hide_masked(indices: Tensor, attention_mask: Tensor) -> Tensor:
     return torch.where(seen, indices, -1)
 
 
-def _absorbed_attention(attn, rope, hidden_states, position_embeddings, attention_mask, cache,
-                        position_ids, prev_topk_indices, kwargs) -> tuple[Tensor, Tensor]:
+def _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddings, attention_mask,
+                        cache, prev_topk_indices, kwargs) -> tuple[Tensor, Tensor]:
     """One layer's attention in the absorbed form (the module docstring); returns the layer's
     output ``[B, T, hidden_size]`` and the indexer's top-k ``[B, T, topk]`` int32."""
     if attention_mask is None:
@@ -88,8 +95,8 @@ def _absorbed_attention(attn, rope, hidden_states, position_embeddings, attentio
     kv = torch.cat((latent, k_rope), -1)[:, 0]  # [B, S, rank + rope_dim]
 
     if attn.indexer is not None:
-        topk = attn.indexer(hidden_states, q_resid, position_embeddings, attention_mask[:, 0],
-                            position_ids, cache=cache)
+        topk = indexer_topk(attn.indexer, index_rope, hidden_states, q_resid, position_embeddings,
+                            attention_mask[:, 0], cache)
     elif prev_topk_indices is None:
         raise RuntimeError(
             f"mla_inductor: layer {attn.layer_idx} reuses the previous layer's top-k (a 'shared' "
@@ -107,12 +114,22 @@ def _absorbed_attention(attn, rope, hidden_states, position_embeddings, attentio
 
 
 def _forward(attn, hidden_states, position_embeddings, attention_mask, cache=None,
-             position_ids=None, prev_topk_indices=None, **kwargs):
+             position_ids=None, prev_topk_indices=None, past_key_values=None, **kwargs):
     """The switched layer's forward, bound to the layer as a method (so that ``copy.deepcopy`` of a
-    switched model binds the copy's own layer). Takes what transformers' forward takes."""
-    rope, returns_topk = _LAYERS[type(attn)]
-    out, topk = _absorbed_attention(attn, rope, hidden_states, position_embeddings, attention_mask,
-                                    cache, position_ids, prev_topk_indices, kwargs)
+    switched model binds the copy's own layer). Takes what transformers' forward takes, the cache
+    as ``cache=`` (5.24) or ``past_key_values=`` (its older name: 5.17's layers pass it so, and
+    5.24's forward still accepts it). ``position_ids`` is unused (transformers' indexer takes it
+    only for backward compatibility; RoPE comes in ``position_embeddings``)."""
+    if past_key_values is not None:
+        if cache is not None:
+            raise RuntimeError(
+                "mla_inductor: the switched DSA attention got both cache= and past_key_values= "
+                "(two names for the same argument); pass one"
+            )
+        cache = past_key_values
+    rope, index_rope, returns_topk = _LAYERS[type(attn)]
+    out, topk = _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddings,
+                                    attention_mask, cache, prev_topk_indices, kwargs)
     return (out, None, topk) if returns_topk else (out, None)
 
 
@@ -160,10 +177,14 @@ def apply(model: nn.Module) -> int:
     Inputs as the model takes them: float32 on the CPU (the op's reference backend); on a GPU,
     bf16 runs on the op's kernels where they cover ``(d_qk, d_v) = (kv_lora_rank +
     qk_rope_head_dim, kv_lora_rank)``: (576, 512) for both released models (other shapes fall back
-    to the reference with a warning). The layer returns no attention weights (``None``). The
-    indexer and the model's mask stay transformers' own, so they still cost O(T·S) (the
-    indexer's scores are ``[B, T, index_n_heads, S]`` float32); the attention itself reads only
-    the top-k rows.
+    to the reference with a warning). The layer returns no attention weights (``None``). Each
+    layer's indexer top-k is computed from the indexer's own parameters and functions in query
+    chunks (:func:`~mla_inductor.integrations.transformers_indexer.indexer_topk`): the same
+    indices as transformers' indexer (bitwise on the CPU), with float32 scores of at most
+    ``SCORE_BYTES`` (256 MiB) at once instead of ``[B, T, index_n_heads, S]``; its time is still
+    O(T·S·index_n_heads·index_head_dim), its memory O(T·index_topk) for the indices plus the
+    chunk. The model's 4D mask ``[B, 1, T, S]`` is still built by the model (bool: 1 byte per
+    entry, 256 MiB at T = S = 16384) and read by gathers; the attention reads only the top-k rows.
 
     Returns:
         The number of layers this call switched (layers already switched are left as they are).
