@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 if torch.distributed.is_available():  # DTensor sharding rules for the ops (mla_inductor.distributed)
     from . import distributed
 
-    distributed.register()
+    distributed.register_when_dtensor_imported()
 
 __all__ = ["sparse_mla", "indexer_target", "indexer_kl_loss", "use_backend", "precompile",
            "__version__"]

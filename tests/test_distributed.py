@@ -329,3 +329,18 @@ def test_the_package_imports_without_torch_distributed():
             "import mla_inductor; print('torch.distributed.tensor' in sys.modules)")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert found.stdout.strip() == "False"
+
+
+def test_rules_are_registered_when_dtensor_is_imported_after_the_package():
+    """``import mla_inductor`` leaves DTensor unimported; importing it afterwards (or before)
+    registers the rules of every leaf op with DTensor's sharding propagator."""
+    code = ("import sys, torch, mla_inductor; print('torch.distributed.tensor' in sys.modules); "
+            "from torch.distributed.tensor import DTensor; "
+            "funcs = DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs; "
+            "ops = torch.ops.mla_inductor; "
+            "print(all(op.default in funcs for op in "
+            "(ops.sparse_mla_fwd, ops.sparse_mla_bwd, ops.indexer_target)))")
+    for first in ("", "import torch.distributed.tensor; "):
+        found = subprocess.run([sys.executable, "-c", first + code], capture_output=True,
+                               text=True, check=True)
+        assert found.stdout.split() == [str(bool(first)), "True"], (first, found.stdout)
