@@ -562,7 +562,8 @@ def _run(cfg: Config, out: Callable[[str], None]) -> Report:
     out(f"graph breaks: {report.graph_breaks}; dynamo graphs compiled: training {graphs_train}, "
         f"eval + sampling {graphs_eval} (1 each = no recompiles beyond the no_grad graph)")
     out(f"sample (temperature {cfg.temperature}, {t_end - t_sample:.1f} s):\n{text!r}")
-    out(f"total: {time.perf_counter() - wall0:.1f} s wall, {time.process_time() - cpu0:.1f} s CPU")
+    out(f"total: {time.perf_counter() - wall0:.1f} s wall, {time.process_time() - cpu0:.1f} s CPU "
+        "(this process; the compiler's worker processes not counted)")
     return report
 
 
