@@ -150,3 +150,34 @@ def test_timer_measures_twice_the_work(protocol):
     assert set(times) == {"once", "twice"}
     assert times["once"] > 0
     assert 1.6 < times["twice"] / times["once"] < 2.4
+
+
+def test_paired_ratios_take_each_variant_over_the_base_timed_next_to_it():
+    """A clock that drifts between pairs cancels in each pair's ratio: the base takes 1 ms and
+    the variant 1.01 ms at clock c, with c doubling every pair, so medians of separate timings
+    would read anything while every pair reads 1.01; a second variant alternates 1.0 and 1.1."""
+    clock = [1.0]
+    calls = {"flip": 0}
+
+    def timer(fn):
+        ms = fn() * clock[0]
+        return ms
+
+    def base():
+        return 1.0
+
+    def slow():
+        clock[0] *= 2.0  # drift after the pair's base
+        return 1.01 / 2.0
+
+    def flip():
+        calls["flip"] += 1
+        return 1.0 + 0.1 * (calls["flip"] % 2)
+
+    r = timing.paired_ratios(base, {"slow": slow, "flip": flip}, rounds=5, timer=timer)
+    assert list(r) == ["slow", "flip"]
+    assert r["slow"] == pytest.approx((1.01, 1.01, 1.01))
+    median, q1, q3 = r["flip"]
+    assert {round(median, 6), round(q1, 6), round(q3, 6)} <= {1.0, 1.1} and q1 <= median <= q3
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        timing.paired_ratios(base, {}, rounds=0, timer=timer)

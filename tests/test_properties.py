@@ -46,8 +46,9 @@ from mla_inductor import backends, sparse_mla, use_backend
 
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("ci", max_examples=50, deadline=20_000, suppress_health_check=_SLOW)
-settings.register_profile("h200", max_examples=100, deadline=120_000,
-                          suppress_health_check=_SLOW)
+# HYPOTHESIS_MAX_EXAMPLES overrides the profile's example count (e.g. a first timed run on a GPU).
+settings.register_profile("h200", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 100)),
+                          deadline=120_000, suppress_health_check=_SLOW)
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(PROFILE)
 

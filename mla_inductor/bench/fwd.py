@@ -10,7 +10,11 @@ TFLOPS = 2·T·H·topk·(d_qk + d_v) / time; the three modes are timed in interl
 (:func:`mla_inductor.bench.timing.time_ms_interleaved`: median over rounds of
 ``triton.testing.do_bench`` medians, CUDA events), or with ``--protocol cooled`` as FlashMLA's
 benchmark times kernels (:func:`mla_inductor.bench.timing.time_ms_cooled`, at the clock of a GPU
-that is not under sustained load). Prints a markdown table.
+that is not under sustained load). With ``--features``, the exact forward with each DSA feature
+(causal positions, a sink, max_logits) joins the rounds, and a row per feature gives its time
+over the plain exact forward's from 21 back-to-back pairs (median and quartiles:
+:func:`mla_inductor.bench.timing.paired_ratios`), fine enough for costs of a percent. Prints a
+markdown table.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 
 from .problems import (D_QK, D_V, KV_LENGTHS, PATTERNS, add_shape_arguments, make_indices,
                        require_sm90)
-from .timing import PROTOCOLS, add_protocol_argument
+from .timing import PROTOCOLS, add_protocol_argument, paired_ratios
 
 MODES = {"exact": (0.0, False), "train": (0.0, True), "lazy": (8.0, False)}
 
@@ -70,8 +74,8 @@ def bench_fwd(Ts, Hs, topk, patterns=PATTERNS, protocol="sustained", kv_per_toke
     x T) and head counts ``Hs`` at d_qk 576 / d_v 512, bf16, timed under ``protocol`` (a key of
     :data:`mla_inductor.bench.timing.PROTOCOLS`), with FlashMLA's forward (H 64 or 128, when
     ``fmla_sm90`` is importable) in the same interleaved rounds; with ``features``, the exact
-    forward with each DSA feature of :func:`feature_arguments` too. Exits with a message when
-    sm90 cannot run here."""
+    forward with each DSA feature of :func:`feature_arguments` too, and each one's paired ratio
+    to the plain exact forward. Exits with a message when sm90 cannot run here."""
     from mla_inductor.kernels import sm90
 
     require_sm90("forward")
@@ -112,6 +116,12 @@ def bench_fwd(Ts, Hs, topk, patterns=PATTERNS, protocol="sustained", kv_per_toke
                     versus = f"{anchor / ms:.3f}" if anchor is not None else ""
                     print(f"| {T} | {H} | {pattern} | {mode} | {ms:.3f} | "
                           f"{flops / ms / 1e9:.0f} | {ms / times['exact']:.3f} | {versus} |")
+                if features:
+                    ratios = paired_ratios(fns["exact"], {
+                        name: fns[name] for name in fns if name.startswith("exact + ")})
+                    for mode, (median, q1, q3) in ratios.items():
+                        print(f"| {T} | {H} | {pattern} | {mode}: paired / exact | | | "
+                              f"{median:.3f} ({q1:.3f}..{q3:.3f}) | |")
                 if T == min(Ts) and T <= 4096:
                     ref = lambda: torch_forward(q, kv, indices, sm_scale)  # noqa: E731
                     ms = PROTOCOLS[protocol]({"torch": ref})["torch"]

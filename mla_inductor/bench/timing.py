@@ -7,6 +7,8 @@ one of them.
 - :func:`time_ms_cooled` (protocol ``cooled``): FlashMLA's benchmark protocol.
 - :func:`time_ms_calls`: a fixed number of calls, for functions too slow for ``do_bench``'s
   budget (hundreds of ms a call) and for CPU smoke runs.
+- :func:`paired_ratios`: the time of each variant over a base function's, from adjacent pairs,
+  for costs of a percent or less.
 
 All take zero-argument callables and return milliseconds (float); all but :func:`time_ms_calls`
 time CUDA work only.
@@ -150,6 +152,50 @@ def time_ms_calls(fn, warmup: int, calls: int, device: torch.device) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def paired_ratios(base, variants: dict, rounds: int = 21, timer=None) -> dict:
+    """The cost of each variant relative to ``base``, from pairs timed back to back.
+
+    Each round times ``base`` and then each variant right after it, and takes their ratio; the
+    result is the median and the quartiles of each variant's ratios over the rounds. A clock
+    drift slower than one pair cancels in its ratio, which the medians of
+    :func:`time_ms_interleaved` only average out: on the H200 the same kernel read up to 2.5%
+    apart between two such medians of one run (README, "DSA features: what they cost").
+
+    Args:
+        base: the reference ``fn()``; variants: ``{name: fn}``.
+        rounds: pairs per variant (at least 1).
+        timer: ``timer(fn) -> ms`` for one measurement; default a short
+            ``triton.testing.do_bench`` median (10 ms warm-up, 60 ms timed; CUDA work).
+
+    Returns:
+        ``{name: (median, p25, p75)}`` of ``time(variant) / time(base)``, in ``variants``' order.
+
+    Raises:
+        ValueError: ``rounds < 1``. Whatever a function raises (each is called once first).
+    """
+    if rounds < 1:
+        raise ValueError(f"paired_ratios: needs rounds >= 1, got {rounds}")
+    if timer is None:
+        from triton.testing import do_bench
+
+        def timer(fn):
+            return do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+    base()
+    for fn in variants.values():
+        fn()
+    ratios = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, fn in variants.items():
+            reference = timer(base)
+            ratios[name].append(timer(fn) / reference)
+    out = {}
+    for name, r in ratios.items():
+        q1, _, q3 = statistics.quantiles(r, n=4) if len(r) > 1 else (r[0], None, r[0])
+        out[name] = (statistics.median(r), q1, q3)
+    return out
 
 
 PROTOCOLS = {"sustained": time_ms_interleaved, "cooled": time_ms_cooled}
