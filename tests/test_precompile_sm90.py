@@ -51,11 +51,11 @@ def test_threshold_that_overflows_p_is_rejected():
 def test_disk_cache_round_trip(tmp_path, monkeypatch):
     """A compiled kernel is exported to the disk cache and loaded back, also without a GPU."""
     from mla_inductor.kernels.cache import DISK_CACHE_ENV, KernelCache
-    from mla_inductor.kernels.sm90 import fwd
+    from mla_inductor.kernels.sm90 import common, fwd
 
     monkeypatch.setenv(DISK_CACHE_ENV, str(tmp_path))
     key = fwd.compile_key(torch.bfloat16, 512, 512, 8.0, False, False)
-    with fwd.target_arch("sm_90a"):
+    with common.target_arch("sm_90a"):
         built = KernelCache("t").get(key, lambda: fwd.compile_forward(*key[:-1]))
         files = list(tmp_path.rglob("*.o"))
         assert len(files) == 1 and files[0].stat().st_size > 0

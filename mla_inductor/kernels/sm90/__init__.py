@@ -80,9 +80,10 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
     from . import bwd, fwd, indexer
+    from .common import target_arch
 
     compiled = {}
-    with fwd.target_arch(arch):
+    with target_arch(arch):
         for dtype in dtypes:
             for threshold in thresholds:
                 for with_o_lo in o_lo:

@@ -98,7 +98,7 @@ from cutlass.memory import SmemAllocator
 
 from ..cache import KernelCache
 from . import SUPPORTED_DIMS
-from .fwd import contiguous_aligned, target_arch
+from .common import contiguous_aligned, target_arch
 from .ptx import cp_async_16, opaque_i32, red_add_f32x4, st_shared_b32
 
 _TILE_M = 64  # heads per CTA (wgmma M)

@@ -86,9 +86,6 @@ Design (decisions, in the order they were taken)
 
 from __future__ import annotations
 
-import contextlib
-import math
-
 import torch
 
 import cutlass
@@ -100,6 +97,8 @@ from cutlass.utils import LayoutEnum
 
 from ..cache import KernelCache
 from . import SUPPORTED_DIMS
+from .common import (LN2, LOG2E, TORCH_TO_CUTE, contiguous_aligned, fake_inputs,
+                     sw128_offset_bytes)
 from .ptx import cp_async_16, cp_async_wait_all, create_policy
 
 TILE_H = 64  # heads per CTA (wgmma M)
@@ -114,17 +113,7 @@ BAR_P_A = 3  # A's P (rescaled to the final max) in shared memory
 BAR_P_B = 4  # B's P in shared memory
 BAR_EPILOGUE = 5  # partial row sums exchanged
 BAR_STAGED = 6  # output tile staged in shared memory / staging free again
-LN2 = math.log(2.0)
-LOG2E = math.log2(math.e)
 MAX_INIT = -1.0e30  # finite "minus infinity" of the running max: exp2(MAX_INIT - x) is 0, never NaN
-
-
-def _sw128_offset_bytes(row, vec, chunk):
-    """Byte offset of 16-byte vector ``vec`` (0..7) of ``row`` in 64-column ``chunk`` of a
-    2-byte-element tile stored as 128-byte-swizzled K-major wgmma atoms (8 rows x 128 B; rows
-    contiguous within a chunk, chunks of 64 rows contiguous): the layout ``_layouts`` builds
-    and the wgmma descriptors read (the GPU tests check the two agree)."""
-    return chunk * (TILE_N * 128) + row * 128 + ((vec ^ (row & 7)) << 4)
 
 
 class SparseMlaFwdSm90:
@@ -597,7 +586,7 @@ class SparseMlaFwdSm90:
         elem = self.dtype.width // 8
         for c in cutlass.range_constexpr(c_lo, c_hi):
             cp_async_16(
-                tile_addr + _sw128_offset_bytes(r, vec, c),
+                tile_addr + sw128_offset_bytes(r, vec, c),
                 src + (c * 64 + vec * 8) * elem,
                 cutlass.select_(ok, Int32(16), Int32(0)),
                 policy,
@@ -768,9 +757,6 @@ class SparseMlaFwdSm90:
 # host side
 # ------------------------------------------------------------------------------------------------
 
-_TORCH_TO_CUTE = {"bfloat16": BFloat16, "float16": Float16}
-
-
 def compile_forward(dtype_name: str, d_qk: int, d_v: int, rescale_threshold: float,
                     has_o_lo: bool, has_topk_length: bool, has_positions: bool = False,
                     has_sink: bool = False, has_max_logits: bool = False):
@@ -781,26 +767,21 @@ def compile_forward(dtype_name: str, d_qk: int, d_v: int, rescale_threshold: flo
     topk_length_or_None, out, lse, o_lo_or_None, q_positions_or_None, attn_sink_or_None,
     max_logits_or_None, scale_log2)``.
     """
-    dtype = _TORCH_TO_CUTE[dtype_name]
+    dtype = TORCH_TO_CUTE[dtype_name]
     kernel = SparseMlaFwdSm90(dtype, d_qk, d_v, rescale_threshold, has_o_lo, has_topk_length,
                               has_positions, has_sink, has_max_logits)
-    n_tok, n_head, n_kv, n_topk = (cute.sym_int() for _ in range(4))
+    x = fake_inputs(dtype, d_qk, has_topk_length, has_positions)
     fake = cute.runtime.make_fake_compact_tensor
-    q = fake(dtype, (n_tok, n_head, d_qk), stride_order=(2, 1, 0), assumed_align=16)
-    kv = fake(dtype, (n_kv, d_qk), stride_order=(1, 0), assumed_align=16)
-    idx = fake(Int32, (n_tok, n_topk), stride_order=(1, 0), assumed_align=4)
-    topk_len = fake(Int32, (n_tok,), assumed_align=4) if has_topk_length else None
-    out = fake(dtype, (n_tok, n_head, d_v), stride_order=(2, 1, 0), assumed_align=16)
-    lse = fake(Float32, (n_tok, n_head), stride_order=(1, 0), assumed_align=4)
-    o_lo = (fake(dtype, (n_tok, n_head, d_v), stride_order=(2, 1, 0), assumed_align=16)
+    out = fake(dtype, (x.n_tok, x.n_head, d_v), stride_order=(2, 1, 0), assumed_align=16)
+    o_lo = (fake(dtype, (x.n_tok, x.n_head, d_v), stride_order=(2, 1, 0), assumed_align=16)
             if has_o_lo else None)
-    q_pos = fake(Int32, (n_tok,), assumed_align=4) if has_positions else None
-    sink = fake(Float32, (n_head,), assumed_align=4) if has_sink else None
-    max_logits = (fake(Float32, (n_tok, n_head), stride_order=(1, 0), assumed_align=4)
+    sink = fake(Float32, (x.n_head,), assumed_align=4) if has_sink else None
+    max_logits = (fake(Float32, (x.n_tok, x.n_head), stride_order=(1, 0), assumed_align=4)
                   if has_max_logits else None)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel, q, kv, idx, topk_len, out, lse, o_lo, q_pos, sink, max_logits,
-                        Float32(1.0), stream, options="--enable-tvm-ffi")
+    return cute.compile(kernel, x.q, x.kv, x.indices, x.topk_length, out, x.lse, o_lo,
+                        x.q_positions, sink, max_logits, Float32(1.0), stream,
+                        options="--enable-tvm-ffi")
 
 
 _CACHE = KernelCache("mla_sm90_fwd")
@@ -819,20 +800,6 @@ def compile_key(dtype: torch.dtype, d_qk: int, d_v: int, rescale_threshold: floa
 def get_kernel(key: tuple):
     """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now."""
     return _CACHE.get(key, lambda: compile_forward(*key[:-1]))
-
-
-@contextlib.contextmanager
-def target_arch(arch: str):
-    """Sets the CuTe DSL target architecture for the duration (compiling without a GPU)."""
-    from cutlass.cutlass_dsl import CuTeDSL
-
-    envar = CuTeDSL._get_dsl().envar
-    previous = envar.arch
-    envar.arch = arch
-    try:
-        yield
-    finally:
-        envar.arch = previous
 
 
 def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo, *,
@@ -906,10 +873,3 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
     kernel(q, kv, indices, topk_length, out, lse, o_lo if return_o_lo else None, q_positions,
            attn_sink, max_logits if return_max_logits else None, float(sm_scale) * LOG2E)
     return out, lse, o_lo, max_logits
-
-
-def contiguous_aligned(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (any shape and dtype) if it is contiguous and starts 16-byte aligned, else a
-    contiguous copy that does (the kernels read 16-byte vectors). Raises nothing."""
-    x = x.contiguous()
-    return x if x.data_ptr() % 16 == 0 else x.clone()

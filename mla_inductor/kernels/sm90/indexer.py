@@ -93,7 +93,8 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
 from ..cache import KernelCache
-from .fwd import LOG2E, _sw128_offset_bytes, contiguous_aligned, target_arch
+from .common import (LOG2E, TORCH_TO_CUTE, contiguous_aligned, fake_inputs,
+                     sw128_offset_bytes, target_arch)
 from .ptx import cp_async_16, cp_async_wait_all, create_policy
 
 TILE_KEYS = 64  # gathered keys per block (wgmma M)
@@ -264,7 +265,7 @@ class IndexerTargetSm90:
                             ok = ok & (idx <= pos)
                         src = cutlass.select_(ok, kv_base + Int64(idx) * row_bytes, kv_base)
                         cp_async_16(
-                            sK_addr + _sw128_offset_bytes(r, vec, slot),
+                            sK_addr + sw128_offset_bytes(r, vec, slot),
                             src + (c * CHUNK + vec * 8) * elem,
                             cutlass.select_(ok, Int32(16), Int32(0)),
                             keep,
@@ -345,7 +346,7 @@ class IndexerTargetSm90:
             ok = r < num_heads
             src = cutlass.select_(ok, q_base + (Int64(t) * num_heads + r) * row_bytes, q_base)
             cp_async_16(
-                sQ_addr + _sw128_offset_bytes(r, vec, 0) + c * (self.tile_heads * 128),
+                sQ_addr + sw128_offset_bytes(r, vec, 0) + c * (self.tile_heads * 128),
                 src + (c * CHUNK + vec * 8) * elem,
                 cutlass.select_(ok, Int32(16), Int32(0)),
                 policy,
@@ -423,9 +424,6 @@ class IndexerTargetSm90:
 # host side
 # ------------------------------------------------------------------------------------------------
 
-_TORCH_TO_CUTE = {"bfloat16": BFloat16, "float16": Float16}
-
-
 def tile_heads_for(num_heads: int) -> int:
     """The head tile (wgmma N) for ``num_heads``: 64 up to 64 heads, else 128.
 
@@ -445,20 +443,14 @@ def compile_target(dtype_name: str, d_qk: int, tile_heads: int, has_topk_length:
     T, H (<= ``tile_heads``), S and topk are symbolic. Returns the TVM-FFI callable ``fn(q, kv,
     indices, topk_length_or_None, q_positions_or_None, lse, target, scale_log2)``.
     """
-    dtype = _TORCH_TO_CUTE[dtype_name]
+    dtype = TORCH_TO_CUTE[dtype_name]
     kernel = IndexerTargetSm90(dtype, d_qk, tile_heads, has_topk_length, has_positions)
-    n_tok, n_head, n_kv, n_topk = (cute.sym_int() for _ in range(4))
-    fake = cute.runtime.make_fake_compact_tensor
-    q = fake(dtype, (n_tok, n_head, d_qk), stride_order=(2, 1, 0), assumed_align=16)
-    kv = fake(dtype, (n_kv, d_qk), stride_order=(1, 0), assumed_align=16)
-    idx = fake(Int32, (n_tok, n_topk), stride_order=(1, 0), assumed_align=4)
-    topk_len = fake(Int32, (n_tok,), assumed_align=4) if has_topk_length else None
-    q_pos = fake(Int32, (n_tok,), assumed_align=4) if has_positions else None
-    lse = fake(Float32, (n_tok, n_head), stride_order=(1, 0), assumed_align=4)
-    target = fake(Float32, (n_tok, n_topk), stride_order=(1, 0), assumed_align=4)
+    x = fake_inputs(dtype, d_qk, has_topk_length, has_positions)
+    target = cute.runtime.make_fake_compact_tensor(Float32, (x.n_tok, x.n_topk),
+                                                   stride_order=(1, 0), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kernel, q, kv, idx, topk_len, q_pos, lse, target, Float32(1.0), stream,
-                        options="--enable-tvm-ffi")
+    return cute.compile(kernel, x.q, x.kv, x.indices, x.topk_length, x.q_positions, x.lse,
+                        target, Float32(1.0), stream, options="--enable-tvm-ffi")
 
 
 _CACHE = KernelCache("mla_sm90_indexer_target")

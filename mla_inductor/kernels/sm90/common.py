@@ -1,0 +1,81 @@
+"""What the SM90 kernels (:mod:`.fwd`, :mod:`.bwd`, :mod:`.indexer`) share: the natural-log /
+log2 constants, the byte offsets of the 128-byte-swizzled tiles their producers fill with
+``cp.async``, the CuTe DSL target-architecture switch for compiling without a GPU, the
+host-side alignment of inputs, and the symbolic fake inputs the gather kernels compile against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+import cutlass.cute as cute
+from cutlass import BFloat16, Float16, Float32, Int32
+
+LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)
+SWIZZLE_CHUNK_ROWS = 64  # rows of one 64-column chunk of a swizzled tile
+TORCH_TO_CUTE = {"bfloat16": BFloat16, "float16": Float16}
+
+
+def sw128_offset_bytes(row, vec, chunk):
+    """Byte offset of 16-byte vector ``vec`` (0..7) of ``row`` in 64-column ``chunk`` of a
+    2-byte-element tile stored as 128-byte-swizzled K-major wgmma atoms (8 rows x 128 B; rows
+    contiguous within a chunk, chunks of 64 rows contiguous): the layout the kernels' ``_layouts``
+    build and the wgmma descriptors read (the GPU tests check the two agree)."""
+    return chunk * (SWIZZLE_CHUNK_ROWS * 128) + row * 128 + ((vec ^ (row & 7)) << 4)
+
+
+@contextlib.contextmanager
+def target_arch(arch: str):
+    """Sets the CuTe DSL target architecture for the duration (compiling without a GPU)."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    previous = envar.arch
+    envar.arch = arch
+    try:
+        yield
+    finally:
+        envar.arch = previous
+
+
+def contiguous_aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (any shape and dtype) if it is contiguous and starts 16-byte aligned, else a
+    contiguous copy that does (the kernels read 16-byte vectors). Raises nothing."""
+    x = x.contiguous()
+    return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+class FakeInputs(NamedTuple):
+    """Symbolic sizes and fake tensors of a gather kernel's inputs, for ``cute.compile``."""
+
+    n_tok: object  # T
+    n_head: object  # H
+    n_topk: object  # topk
+    q: object  # [T, H, d_qk]
+    kv: object  # [S, d_qk]
+    indices: object  # [T, topk] int32
+    topk_length: Optional[object]  # [T] int32
+    q_positions: Optional[object]  # [T] int32
+    lse: object  # [T, H] float32
+
+
+def fake_inputs(dtype, d_qk: int, has_topk_length: bool, has_positions: bool) -> FakeInputs:
+    """Compact fake tensors with symbolic T, H, S and topk (one compiled kernel serves every
+    size): q, kv 16-byte aligned in ``dtype`` (a CuTe DSL type), the int32 indices, topk_length
+    and positions (None when absent) and the float32 lse."""
+    n_tok, n_head, n_kv, n_topk = (cute.sym_int() for _ in range(4))
+    fake = cute.runtime.make_fake_compact_tensor
+    return FakeInputs(
+        n_tok, n_head, n_topk,
+        q=fake(dtype, (n_tok, n_head, d_qk), stride_order=(2, 1, 0), assumed_align=16),
+        kv=fake(dtype, (n_kv, d_qk), stride_order=(1, 0), assumed_align=16),
+        indices=fake(Int32, (n_tok, n_topk), stride_order=(1, 0), assumed_align=4),
+        topk_length=fake(Int32, (n_tok,), assumed_align=4) if has_topk_length else None,
+        q_positions=fake(Int32, (n_tok,), assumed_align=4) if has_positions else None,
+        lse=fake(Float32, (n_tok, n_head), stride_order=(1, 0), assumed_align=4),
+    )
