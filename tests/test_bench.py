@@ -1,7 +1,8 @@
 """The benchmark command: ``--help`` at every level, usage errors, and on a machine without an
 SM90 GPU each subcommand exits with a message naming why (the benchmarks themselves run on the
-H200, see README); ``hf --tiny``'s CPU smoke run and its layer's modes agreeing; on a GPU, the
-timers."""
+H200, see README); ``hf --tiny``'s CPU smoke run and its layer's modes agreeing; ``dist --tiny``
+on 2 gloo ranks (tensor and context parallel equal to one process, their collectives); on a
+GPU, the timers."""
 
 import re
 import subprocess
@@ -12,10 +13,10 @@ import pytest
 import torch
 
 from conftest import rel_l2
-from mla_inductor.bench import cli, hf, timing
+from mla_inductor.bench import cli, dist, hf, timing
 
 
-@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["indexer"], ["hf"]])
+@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["indexer"], ["hf"], ["dist"]])
 def test_help_at_every_level(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*argv, "--help"])
@@ -50,7 +51,7 @@ def test_indexer_parser_defaults_and_flags():
 def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
     run = [sys.executable, "-m", "mla_inductor.bench"]
     shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0 and "{fwd,bwd,train,indexer,hf}" in shown.stdout
+    assert shown.returncode == 0 and "{fwd,bwd,train,indexer,hf,dist}" in shown.stdout
     wrong = subprocess.run([*run, "fw"], capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "invalid choice: 'fw'" in wrong.stderr
 
@@ -109,6 +110,11 @@ def test_time_ms_calls_times_the_calls_after_the_warmup():
     made = []
     ms = timing.time_ms_calls(lambda: made.append(time.sleep(0.002)), 2, 3, torch.device("cpu"))
     assert len(made) == 5 and 2.0 <= ms < 100
+    # before() runs before every call, outside the timed part: a 50 ms one does not show
+    order = []
+    ms = timing.time_ms_calls(lambda: order.append("fn"), 1, 2, torch.device("cpu"),
+                              before=lambda: order.append(time.sleep(0.05)))
+    assert order == [None, "fn"] * 3 and ms < 25
     with pytest.raises(ValueError, match="needs calls >= 1"):
         timing.time_ms_calls(lambda: None, 0, 0, torch.device("cpu"))
 
@@ -181,3 +187,41 @@ def test_paired_ratios_take_each_variant_over_the_base_timed_next_to_it():
     assert {round(median, 6), round(q1, 6), round(q3, 6)} <= {1.0, 1.1} and q1 <= median <= q3
     with pytest.raises(ValueError, match="rounds >= 1"):
         timing.paired_ratios(base, {}, rounds=0, timer=timer)
+
+
+def test_dist_tiny_on_two_gloo_ranks(capsys):
+    """``dist --tiny --ranks 2`` through the command: every row; tp and cp equal to the single
+    process (out, dq, dkv; float32 on the reference backend, only the order of dkv's sums
+    differs); tp all-reduces dkv ``[T, d_qk]`` once, cp all-gathers kv twice (forward and
+    backward) and reduce-scatters dkv: sizes ``T * d_qk * 4`` bytes each."""
+    cli.main(["dist", "--tiny", "--ranks", "2", "--warmup", "1", "--iters", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"# One DSA attention layer .* DTensor over 2 ranks \(gloo\), \d{4}-\d\d-\d\d, "
+                    r"CPU, torch .*, H 8, d_qk 80, d_v 64, topk 16, S = T, float32;", lines[0])
+    table = [[c.strip() for c in line.strip("|").split("|")] for line in lines[3:]]
+    assert [(int(r[0]), r[1]) for r in table] == [(T, m) for T in (64, 128) for m in dist.MODES]
+    size = {64: 64 * 80 * 4, 128: 128 * 80 * 4}
+    expected = {"single": ("none", 0), "tp": ("all_reduce x1", 1),
+                "cp": ("all_gather_into_tensor x2, reduce_scatter_tensor x1", 3)}
+    for T, mode, ms, peak, counts, nbytes, speedup, err in table:
+        T = int(T)
+        assert float(ms) > 0 and peak == "-"
+        assert counts == expected[mode][0]
+        assert int(nbytes.replace(",", "")) == expected[mode][1] * size[T]
+        if mode == "single":
+            assert speedup == err == ""
+        else:
+            assert re.fullmatch(r"\d+\.\d\dx", speedup)
+            assert float(err) <= 1e-5, (T, mode, err)
+
+
+def test_dist_refuses_torchrun_and_missing_gpus(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
+    with pytest.raises(SystemExit, match="spawns its own ranks"):
+        cli.main(["dist", "--tiny"])
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    with pytest.raises(SystemExit, match="needs --ranks >= 1"):
+        cli.main(["dist", "--tiny", "--ranks", "0"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--ranks 2 needs as many GPUs, found 0"):
+            cli.main(["dist", "--tiny", "--device", "cuda"])

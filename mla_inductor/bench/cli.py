@@ -1,15 +1,15 @@
-"""The command ``python -m mla_inductor.bench {fwd,bwd,train,indexer,hf} [flags]``: one argument
-parser with a subcommand per benchmark module (:data:`SUBCOMMANDS`); ``--help`` works at every
-level."""
+"""The command ``python -m mla_inductor.bench {fwd,bwd,train,indexer,hf,dist} [flags]``: one
+argument parser with a subcommand per benchmark module (:data:`SUBCOMMANDS`); ``--help`` works at
+every level."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Optional
 
-from . import bwd, fwd, hf, indexer, train
+from . import bwd, dist, fwd, hf, indexer, train
 
-SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer": indexer, "hf": hf}
+SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer": indexer, "hf": hf, "dist": dist}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,14 +14,15 @@ PATTERNS = ("random", "causal")
 def make_indices(
     T: int, S: int, topk: int, pattern: str, generator: torch.Generator
 ) -> torch.Tensor:
-    """``indices [T, topk]`` int32 on CUDA: ``random`` (uniform over S) or ``causal`` (token t at
-    position S - T + t, its own key in slot 0, -1 past its position)."""
+    """``indices [T, topk]`` int32 on ``generator``'s device: ``random`` (uniform over S) or
+    ``causal`` (token t at position S - T + t, its own key in slot 0, -1 past its position)."""
+    device = generator.device
     if pattern == "random":
-        return torch.randint(0, S, (T, topk), device="cuda", dtype=torch.int32, generator=generator)
-    pos = (S - T) + torch.arange(T, device="cuda")
-    idx = (torch.rand(T, topk, device="cuda", generator=generator) * (pos[:, None] + 1)).long()
+        return torch.randint(0, S, (T, topk), device=device, dtype=torch.int32, generator=generator)
+    pos = (S - T) + torch.arange(T, device=device)
+    idx = (torch.rand(T, topk, device=device, generator=generator) * (pos[:, None] + 1)).long()
     idx[:, 0] = pos
-    idx = torch.where(torch.arange(topk, device="cuda")[None] <= pos[:, None], idx, -1)
+    idx = torch.where(torch.arange(topk, device=device)[None] <= pos[:, None], idx, -1)
     return idx.int()
 
 

@@ -123,9 +123,11 @@ def time_ms_cooled(fns: dict, runs: int = 30, pause_s: float = 0.3) -> dict:
     return times
 
 
-def time_ms_calls(fn, warmup: int, calls: int, device: torch.device) -> float:
+def time_ms_calls(fn, warmup: int, calls: int, device: torch.device, before=None) -> float:
     """Median milliseconds of ``calls`` calls of ``fn()`` after ``warmup`` untimed ones, each call
-    timed alone: CUDA events on a CUDA ``device``, ``time.perf_counter`` otherwise.
+    timed alone: CUDA events on a CUDA ``device``, ``time.perf_counter`` otherwise. ``before()``,
+    if given, runs untimed before every call (warm-up ones too), e.g. a barrier that lines up
+    the ranks of a process group so that each call starts on all of them at once.
 
     For calls of hundreds of milliseconds (``do_bench`` makes 5 estimation calls, then as many
     as fit in 200 ms: at least one, whatever the cost) and for runs on the CPU, which the other
@@ -136,10 +138,13 @@ def time_ms_calls(fn, warmup: int, calls: int, device: torch.device) -> float:
     """
     if calls < 1 or warmup < 0:
         raise ValueError(f"time_ms_calls: needs calls >= 1 and warmup >= 0, got {calls}, {warmup}")
+    before = before or (lambda: None)
     for _ in range(warmup):
+        before()
         fn()
     times = []
     for _ in range(calls):
+        before()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
