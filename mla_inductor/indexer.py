@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import backends, layout, lowering
-from .validation import check_features, check_forward_inputs, check_lse
+from .validation import check_features, check_forward_inputs, check_lse, require
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
 
@@ -106,7 +106,7 @@ def _indexer_target_entry(q, kv, indices, lse, topk_length, q_positions, attn_si
     lse = lse.detach()
     if flat.batch is not None:
         B, T = flat.batch
-        torch._check(
+        require(
             lse.dim() == 3 and lse.shape[0] == B and lse.shape[1] == T,
             lambda: f"sparse_mla: batched lse must be [B, T, H] = [{B}, {T}, H], got shape "
             f"{tuple(lse.shape)}",

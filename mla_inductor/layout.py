@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .validation import check_batched_inputs
+from .validation import check_batched_inputs, require
 
 
 class Flat(NamedTuple):
@@ -42,7 +42,7 @@ def _squeeze_heads(t: Tensor, rank: int, what: str) -> Tensor:
     so that the checks report it."""
     if t.dim() != rank + 1:
         return t
-    torch._check(
+    require(
         t.shape[-2] == 1,
         lambda: f"sparse_mla: {what} must have a head dimension of 1 (MQA: one latent row and one "
         f"index set per token, shared by all query heads), got shape {tuple(t.shape)}; a batched "
@@ -82,7 +82,7 @@ def token_positions(T, S, like: Tensor, q_positions: Optional[Tensor] = None) ->
     if q_positions is None:
         return _arange(T, like) + (S - T)
     dtype = q_positions.dtype  # the message may capture no tensor (Dynamo traces it in the loss)
-    torch._check(
+    require(
         not q_positions.is_floating_point() and not q_positions.is_complex()
         and dtype != torch.bool,
         lambda: f"sparse_mla: q_positions must be an integer tensor (int32 or int64), got {dtype}",
@@ -103,7 +103,7 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
             indices other than 1, or ``q_positions`` without ``causal`` or of a non-integer
             dtype. Everything else is checked by the ops on the result.
     """
-    torch._check(
+    require(
         causal or q_positions is None,
         lambda: "sparse_mla: q_positions is only read with causal=True (it gives each token's "
         "position for the causal mask); pass causal=True or drop q_positions",
@@ -130,7 +130,7 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
         if topk_length is not None:
             topk_length = topk_length.reshape(B * T)
         if positions is not None:
-            torch._check(
+            require(
                 positions.dim() in (1, 2) and positions.shape[-1] == T
                 and (positions.dim() == 1 or positions.shape[0] == B),
                 lambda: f"sparse_mla: batched q_positions must be [B, T] = [{B}, {T}] or [T], "

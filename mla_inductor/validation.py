@@ -1,16 +1,17 @@
 """Input checks shared by the fake kernels and the real implementations of the ops.
 
-Every check is a ``torch._check`` with a readable message, so the same error appears at trace
-time under ``torch.compile`` (raised while the entry op's decomposition or a fake kernel runs on
-FakeTensors, which puts the message on the second line of Dynamo's error) and at run time
-(raised by the op body). The checks read only shapes, dtypes, devices and Python scalars, never
-tensor data, so they work on FakeTensors and symbolic sizes without specialising them.
+Every check is a ``torch._check`` (through :func:`require`) with a readable message, so the
+same error appears at trace time under ``torch.compile`` (raised while the entry op's
+decomposition or a fake kernel runs on FakeTensors, which puts the message on the second line of
+Dynamo's error) and at run time (raised by the op body). The checks read only shapes, dtypes,
+devices and Python scalars, never tensor data, so they work on FakeTensors and symbolic sizes
+without specialising them.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -27,8 +28,21 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_RESCALE_THRESHOLD = {torch.float16: 15.0, torch.bfloat16: 64.0, torch.float32: 64.0}
 
 
+def require(cond, message: Callable[[], str]) -> None:
+    """``torch._check(cond, message)``, returning at once for a plain ``True``.
+
+    ``torch._check`` imports torch's symbolic-shapes module (and sympy) on its first call: 0.4 s
+    of a fresh process's first step on our 2-core CPU machine when every check passes on concrete
+    sizes. Symbolic conditions (under tracing, where that module is loaded already) and failures
+    go through it.
+    """
+    if cond is True:
+        return
+    torch._check(cond, message)
+
+
 def _check(cond, message: str) -> None:
-    torch._check(cond, lambda: f"sparse_mla: {message}")
+    require(cond, lambda: f"sparse_mla: {message}")
 
 
 def check_forward_inputs(

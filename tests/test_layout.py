@@ -93,3 +93,21 @@ def test_importing_the_package_imports_no_integrated_library():
     code = "import sys, mla_inductor; print(sorted({'transformers'} & set(sys.modules)))"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert found.stdout.strip() == "[]"
+
+
+def test_passing_checks_do_not_import_symbolic_shapes():
+    """A fresh process's first op call must not pay for ``torch._check``'s import of torch's
+    symbolic-shapes module (and sympy) when every check passes on concrete sizes."""
+    code = (
+        "import sys, torch\n"
+        "from mla_inductor import layout, validation\n"
+        "q = torch.zeros(2, 8, 3, 576, dtype=torch.bfloat16)\n"
+        "kv = torch.zeros(2, 16, 1, 576, dtype=torch.bfloat16)\n"
+        "idx = torch.zeros(2, 8, 1, 4, dtype=torch.int32)\n"
+        "flat = layout.flatten(q, kv, idx, None, True, None)\n"
+        "validation.check_forward_inputs(flat.q, flat.kv, flat.indices, flat.topk_length, 512)\n"
+        "validation.check_features(flat.q, flat.q_positions, None)\n"
+        "print('torch.fx.experimental.symbolic_shapes' in sys.modules, tuple(flat.q.shape))\n"
+    )
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.split() == ["False", "(16,", "3,", "576)"]
