@@ -47,6 +47,13 @@ def cp_async_16(dst: Int32, src: Int64, src_bytes: Int32, policy: Optional[Int64
 
 
 @dsl_user_op
+def cp_async_4(dst: Int32, src: Int64, src_bytes: Int32, *, loc=None, ip=None) -> None:
+    """``cp.async.ca`` of 4 bytes global -> shared; ``src_bytes = 0`` zero-fills (reads nothing)."""
+    _asm("cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r",
+         [Int32(dst), Int64(src), Int32(src_bytes)], loc=loc, ip=ip)
+
+
+@dsl_user_op
 def cp_async_wait_all(*, loc=None, ip=None) -> None:
     """``cp.async.wait_all``: this thread's outstanding ``cp.async`` copies have landed."""
     _asm("cp.async.wait_all;", "", loc=loc, ip=ip)
