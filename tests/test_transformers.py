@@ -113,17 +113,26 @@ def test_batch_with_left_padding(name):
 
 
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
-def test_logits_do_not_depend_on_the_indexer_chunk(name, monkeypatch):
-    """The switched model's indexer top-k in chunks of one query token gives bitwise the logits of
-    one chunk for all 64 tokens (GLM's second layer reuses the first's top-k)."""
-    model = _model(name)
-    hf.apply(model)
+def test_logits_with_one_token_indexer_chunks_match_eager(name, monkeypatch):
+    """The switched model's indexer top-k in chunks of one query token (each scoring only the keys
+    up to its token) against the unswitched model on eager attention, with 8 index heads: with
+    TINY's 2, a quarter of the keys score exactly 0 (both heads' relu 0) and rows whose head
+    weights are all negative rank those zeros first, so which of the tied keys is kept (topk's
+    tie order, which depends on the width scored) changes the logits by 4-5% without either
+    choice being wrong; tests/test_transformers_indexer.py checks the 2-head top-k against its
+    float64 definition, ties allowed."""
+    config = dict(TINY, index_n_heads=8)
+    torch.manual_seed(0)
+    model = (DeepseekV32ForCausalLM(DeepseekV32Config(**config)) if name == "deepseek_v32" else
+             GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**config, indexer_types=["full", "shared"])))
+    model.eval()
     ids = _ids(2, 64)
     with torch.no_grad():
-        whole = model(ids, use_cache=False).logits
+        ref = model(ids, use_cache=False).logits
+        hf.apply(model)
         monkeypatch.setattr(transformers_indexer, "SCORE_BYTES", 1)
         chunked = model(ids, use_cache=False).logits
-    assert torch.equal(chunked, whole)
+    assert rel_l2(chunked, ref) <= 1e-5
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["one_chunk", "chunk1"])

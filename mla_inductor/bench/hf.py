@@ -12,13 +12,13 @@ gradient, every parameter's gradient) at each T, in three modes:
   absorbed form on ``sparse_mla``, the indexer's top-k in query chunks), on the sdpa (bool) mask.
 
 Two more rows time the layer's indexer alone (forward, under ``no_grad`` as in the layer; the
-same top-k): ``transformers' indexer alone (fwd)``, the module's own forward, which runs inside
-eager and sdpa (float32 scores ``[1, T, 64, T]`` and a float32 copy of its keys per query token,
-``[T, 128, T]``: O(T²)), and ``chunked indexer alone (fwd)``,
+same top-k definition): ``transformers' indexer alone (fwd)``, the module's own forward, which
+runs inside eager and sdpa (float32 scores ``[1, T, 64, T]`` and a float32 copy of its keys per
+query token, ``[T, 128, T]``: O(T²)), and ``chunked indexer alone (fwd)``,
 :func:`mla_inductor.integrations.transformers_indexer.indexer_topk`, which runs inside patched
-(float32 scores of at most 256 MiB at once). The causal mask and the position embeddings are
-built as ``DeepseekV32Model`` builds them, once per T and mode, outside the timed calls (the
-model builds them once for all its layers).
+(float32 scores of at most 256 MiB at once, one GEMM per chunk over the keys the chunk sees). The
+causal mask and the position embeddings are built as ``DeepseekV32Model`` builds them, once per T
+and mode, outside the timed calls (the model builds them once for all its layers).
 
 ms = median of ``--iters`` calls after ``--warmup`` untimed ones, CUDA events
 (:func:`mla_inductor.bench.timing.time_ms_calls`; the patched mode's first call compiles its

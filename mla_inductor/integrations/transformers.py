@@ -16,8 +16,9 @@ absorbed into the query, W^UV into the output; DSA on MLA's MQA mode, DeepSeek-V
 ``W_uk`` / ``W_uv`` are views of ``kv_b_proj.weight`` taken at every call: no copies, so training
 updates the model's own parameters. The RoPE and every projection are the layer's own modules and
 functions. The indexer's top-k comes from its own parameters and functions too, computed in query
-chunks by :func:`~mla_inductor.integrations.transformers_indexer.indexer_topk` (the same indices;
-float32 scores of at most 256 MiB at once instead of ``[B, T, index_n_heads, S]``).
+chunks by :func:`~mla_inductor.integrations.transformers_indexer.indexer_topk` (the same
+definition in float32, not bitwise: at near-ties it may keep the other key; float32 scores of at
+most 256 MiB at once instead of ``[B, T, index_n_heads, S]``).
 """
 
 from __future__ import annotations
@@ -179,12 +180,14 @@ def apply(model: nn.Module) -> int:
     qk_rope_head_dim, kv_lora_rank)``: (576, 512) for both released models (other shapes fall back
     to the reference with a warning). The layer returns no attention weights (``None``). Each
     layer's indexer top-k is computed from the indexer's own parameters and functions in query
-    chunks (:func:`~mla_inductor.integrations.transformers_indexer.indexer_topk`): the same
-    indices as transformers' indexer (bitwise on the CPU), with float32 scores of at most
-    ``SCORE_BYTES`` (256 MiB) at once instead of ``[B, T, index_n_heads, S]``; its time is still
-    O(T·S·index_n_heads·index_head_dim), its memory O(T·index_topk) for the indices plus the
-    chunk. The model's 4D mask ``[B, 1, T, S]`` is still built by the model (bool: 1 byte per
-    entry, 256 MiB at T = S = 16384) and read by gathers; the attention reads only the top-k rows.
+    chunks (:func:`~mla_inductor.integrations.transformers_indexer.indexer_topk`): transformers'
+    definition in float32 (one GEMM per chunk, keys past the chunk's last visible one skipped; not
+    bitwise: at a near-tie or an exact tie it may keep another key than transformers' indexer), with
+    float32 scores of at most ``SCORE_BYTES`` (256 MiB) at once instead of ``[B, T, index_n_heads,
+    S]``; its time is still O(T·S·index_n_heads·index_head_dim) (about half of it under a causal
+    mask), its memory O(T·index_topk) for the indices plus the chunk. The model's 4D mask ``[B, 1,
+    T, S]`` is still built by the model (bool: 1 byte per entry, 256 MiB at T = S = 16384) and read
+    by gathers; the attention reads only the top-k rows.
 
     Returns:
         The number of layers this call switched (layers already switched are left as they are).

@@ -3,18 +3,39 @@
 transformers 5.24's ``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer`` score every query against every
 key at once: float32 ``[B, T, index_n_heads, S]`` (64 GiB at T = S = 16384 with 64 heads), and
 its broadcast ``matmul`` also copies the float32 keys once per query token (``[B·T, head_dim,
-S]``, 128 GiB there). :func:`indexer_topk` returns the same top-k from the same module's
+S]``, 128 GiB there). :func:`indexer_topk` computes the same top-k from the same module's
 parameters and functions, one chunk of query tokens at a time, so that the float32 scores alive
 at once are ``[chunk, index_n_heads, S]``, at most :data:`SCORE_BYTES`.
 
 Per query token ``t`` and key ``s`` (the indexer's own definition):
 ``score[t, s] = sum_h w[t, h] · relu(softmax_scale · q[t, h] · k[s])`` with
 ``w = weights_proj(x) · n_heads**-0.5``, then the model's mask, then the ``min(index_topk, S)``
-largest. Each chunk multiplies the same matrices the model multiplies (per token, ``q[t]`` ``[H,
-D]`` by the keys ``[D, S]`` laid out as the model's ``matmul`` lays them out), so on the CPU the
-scores and the indices are bitwise the model's for any chunk size; a GPU library may pick other
-kernels for other batch counts, which can change a score's last bit and, at a tie, which of two
-equal-scored keys is kept.
+largest. Each chunk computes it as ``softmax_scale · sum_h w[t, h] · relu(q[t, h] · k[s])`` (equal
+in exact arithmetic, as ``relu(a·x) = a·relu(x)`` for ``a > 0``; the scale goes into the ``[c, H]``
+weights): one float32 GEMM of the chunk's ``[c·H, D]`` queries by the keys ``[D, s_hi]``, ``relu``
+in place, and a batched ``[1, H] x [H, s_hi]`` product for the weighted head sum (four passes over
+the ``[c, H, s_hi]`` scores: the GEMM's write, relu's read and write, the sum's read).
+
+Key truncation: ``s_hi`` is one past the last key that any row of the chunk sees (from the mask:
+bool True, or additive above the dtype's minimum), so with a causal mask a chunk scores only the
+keys up to its last token (about half the work of ``[T, S]`` at T = S, given several chunks: at
+the default budget, T = S = 16384 with 64 heads makes 256 chunks of 64 tokens). A row that sees
+fewer keys than ``index_topk`` gets its visible keys first (by score), then keys the mask hides
+from it: hidden keys below ``s_hi`` (masked to -inf, or to about the dtype's minimum by an
+additive mask), then ``s_hi, s_hi + 1, ...``, which no row of the chunk sees. transformers'
+indexer names other hidden keys there (its choice among equal masked scores); the switched
+attention empties every slot the mask hides, so the attention is the same. Under
+``torch.compile`` the chunks score every key (``s_hi`` would be a data-dependent size).
+
+Not bitwise transformers': a different GEMM (one per chunk instead of one per token) and the scale
+applied after the head sum change the scores' last bits, and so, where two keys' scores are
+within a few float32 ulps (a near-tie), which of them is kept; where scores are exactly equal
+(keys at which every head's relu is 0 score exactly 0), topk's choice among them depends on the
+width scored, so it can differ from transformers' and between chunk sizes. The selected keys'
+scores agree with a float64 computation of the same definition to float32 rounding
+(``tests/test_transformers_indexer.py``). The GEMMs are float32 by default; PyTorch's
+``torch.backends.cuda.matmul.allow_tf32 = True`` (``torch.set_float32_matmul_precision("high")``)
+makes them TF32 on a GPU, as it does transformers' ``matmul``.
 """
 
 from __future__ import annotations
@@ -46,13 +67,31 @@ def _queries_and_keys(indexer, rope, hidden_states, q_resid, position_embeddings
     return torch.cat((q_rot, q_pass), -1), torch.cat((k_rot, k_pass), -1).squeeze(2)
 
 
+def _seen_widths(mask: Tensor, chunk: int) -> list[list[int]]:
+    """``widths[b][i]``: one past the last key column that any row of chunk ``i`` (rows ``i·chunk``
+    to ``(i + 1)·chunk``) of ``mask[b]`` sees, 0 where none does. ``mask [Bm, T, S]``, bool (True
+    = seen) or additive float (seen where above the dtype's minimum; -inf and the minimum are
+    hidden). One pass over the mask, temporaries ``[Bm, chunks, S]``, one synchronisation."""
+    Bm, T, S = mask.shape
+    full = T // chunk * chunk
+    reduce = torch.any if mask.dtype == torch.bool else torch.amax
+    parts = [reduce(mask[:, :full].unflatten(1, (T // chunk, chunk)), 2)] if full else []
+    if full < T:
+        parts.append(reduce(mask[:, full:], 1, keepdim=True))
+    cols = torch.cat(parts, 1)  # [Bm, chunks, S]
+    if mask.dtype != torch.bool:
+        cols = cols > torch.finfo(mask.dtype).min
+    ends = torch.arange(1, S + 1, dtype=torch.int32, device=mask.device)
+    return torch.where(cols, ends, 0).amax(-1).tolist()
+
+
 @torch.no_grad()
 def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tensor,
                  position_embeddings: tuple[Tensor, Tensor], attention_mask: Tensor,
                  cache=None, *, score_bytes: int | None = None) -> Tensor:
     """The top-k keys of each query token, as ``indexer(hidden_states, q_resid,
-    position_embeddings, attention_mask, position_ids, cache=cache)`` returns them, in query chunks
-    (module docstring).
+    position_embeddings, attention_mask, position_ids, cache=cache)`` selects them, in query chunks
+    (module docstring: the same definition, float32, not bitwise; hidden keys as filler).
 
     Args:
         indexer: the layer's ``DeepseekV32Indexer`` or ``GlmMoeDsaIndexer``; its ``wq_b``, ``wk``,
@@ -64,8 +103,8 @@ def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_re
         hidden_states: ``[B, T, hidden_size]``, the layer's input.
         q_resid: ``[B, T, q_lora_rank]``, ``q_a_layernorm(q_a_proj(hidden_states))``.
         position_embeddings: ``(cos, sin)``, each ``[B, T, qk_rope_head_dim]``.
-        attention_mask: ``[B or 1, T, S]``, bool (True = seen) or additive float, the model's
-            4D mask without its head axis.
+        attention_mask: ``[B or 1, T, S]``, bool (True = seen) or additive float (the dtype's
+            minimum or -inf = hidden), the model's 4D mask without its head axis.
         cache: the model's cache or None; with one, this call's indexer keys are appended
             through ``cache.update_indexer`` (exactly once, as the model's indexer does) and the
             scores cover every cached key.
@@ -73,8 +112,9 @@ def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_re
             :data:`SCORE_BYTES`, read at each call.
 
     Returns:
-        ``[B, T, min(index_topk, S)]`` int32, key positions in ``[0, S)``, in descending score
-        order.
+        ``[B, T, min(index_topk, S)]`` int32, key positions in ``[0, S)``, distinct within a row:
+        the keys the row sees in descending score order, then (where it sees fewer than
+        ``index_topk``) keys its mask hides.
     """
     B, T, _ = hidden_states.shape
     H = indexer.n_heads
@@ -83,32 +123,44 @@ def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_re
         k = cache.update_indexer(k, indexer.layer_idx)  # [B, S, D]
     S = k.shape[1]
     proj = indexer.weights_proj
-    w = proj(hidden_states.to(proj.weight.dtype)).float() * H**-0.5  # [B, T, H]
-    mask = attention_mask.expand(B, T, S)
+    # [B, T, H]: the model's head weights with softmax_scale folded in (module docstring)
+    w = proj(hidden_states.to(proj.weight.dtype)).float() * (H**-0.5 * indexer.softmax_scale)
     topk = min(indexer.index_topk, S)
     out = torch.empty(B, T, topk, dtype=torch.int32, device=hidden_states.device)
     chunk = chunk_tokens(H, S, SCORE_BYTES if score_bytes is None else score_bytes)
+    mask = attention_mask.expand(attention_mask.shape[0], T, S)  # [B or 1, T, S]
+    starts = range(0, T, chunk)
+    if torch.compiler.is_compiling():
+        widths = [[S] * len(starts)]
+    else:
+        widths = _seen_widths(mask, chunk)
     for b in range(B):
-        keys = k[b].float().T.contiguous()  # [D, S], S fastest: as the model's matmul reads them
-        for t0 in range(0, T, chunk):
+        keys = k[b].float()  # [S, D]
+        seen, row_widths = mask[min(b, mask.shape[0] - 1)], widths[min(b, len(widths) - 1)]
+        for t0, width in zip(starts, row_widths):
             t1 = min(t0 + chunk, T)
-            out[b, t0:t1] = _chunk_topk(q[b, t0:t1], keys, w[b, t0:t1], mask[b, t0:t1],
-                                        indexer.softmax_scale, topk)
+            out[b, t0:t1] = _chunk_topk(q[b, t0:t1], keys[:width], w[b, t0:t1],
+                                        seen[t0:t1, :width], topk)
     return out
 
 
-def _chunk_topk(q: Tensor, keys: Tensor, w: Tensor, seen: Tensor, scale: float,
-                topk: int) -> Tensor:
-    """One chunk of ``c`` query tokens: ``q [c, H, D]`` (the layer's dtype), ``keys [D, S]``
-    float32, ``w [c, H]`` float32, ``seen [c, S]`` bool or additive; returns the ``topk`` indices
-    ``[c, topk]`` int64. Its float32 scores ``[c, H, S]`` are freed on return, before the next
-    chunk's are made."""
+def _chunk_topk(q: Tensor, keys: Tensor, w: Tensor, seen: Tensor, topk: int) -> Tensor:
+    """One chunk of ``c`` query tokens: ``q [c, H, D]`` (the layer's dtype), ``keys [W, D]``
+    float32 (the first ``W`` keys: every key a row of the chunk sees is among them), ``w [c, H]``
+    float32 (scale included), ``seen [c, W]`` bool or additive; returns ``[c, topk]`` int32: the
+    top ``min(topk, W)`` of the ``W`` keys, then keys ``W, W + 1, ...``. Its float32 scores ``[c,
+    H, W]`` are freed on return, before the next chunk's are made."""
     c, H, D = q.shape
-    scores = torch.bmm(q.float(), keys.expand(c, D, keys.shape[1]))  # [c, H, S], q[t] @ keys
-    scores.mul_(scale).relu_()
-    summed = torch.bmm(w.unsqueeze(1), scores).squeeze(1)  # [c, S]
+    W = keys.shape[0]
+    scores = torch.mm(q.reshape(c * H, D).float(), keys.T).relu_().view(c, H, W)
+    summed = torch.bmm(w.unsqueeze(1), scores).squeeze(1)  # [c, W]
+    del scores
     if seen.dtype == torch.bool:
         summed.masked_fill_(~seen, float("-inf"))
     else:
         summed.add_(seen)
-    return summed.topk(topk, dim=-1).indices
+    picked = summed.topk(min(topk, W), dim=-1).indices.to(torch.int32)
+    if W >= topk:
+        return picked
+    rest = torch.arange(W, topk, dtype=torch.int32, device=q.device).expand(c, topk - W)
+    return torch.cat((picked, rest), 1)
