@@ -122,6 +122,27 @@ def test_sink_of_minus_inf_is_no_sink():
         assert torch.equal(a, b)
 
 
+def test_sink_view_with_a_partial_head_tile():
+    """The sink as a view 4 bytes into its storage (the kernel gathers it with 4-byte copies)
+    and H = 80: the second head tile has 16 heads, its other 48 rows read no sink."""
+    H = 80
+    q, kv, indices, positions, sink = _case(24, H, 512, 128, seed=5)
+    storage = torch.empty(H + 1, device="cuda")
+    storage[1:] = sink
+    sink = storage[1:]
+    assert sink.data_ptr() % 16 == 4
+    sm_scale = D_QK**-0.5
+    out, lse, _, _ = fwd.forward(q, kv, indices, None, sm_scale, D_V, 0.0, False,
+                                 q_positions=positions, attn_sink=sink)
+    out64, lse64, _ = _reference(q.double(), kv.double(), indices, sm_scale, positions,
+                                 sink.double())
+    assert rel_l2(out, out64) <= 1.5 * rel_l2(out64.to(q.dtype), out64)
+    finite = torch.isfinite(lse64)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite].double() - lse64[finite]).abs().max().item() < 1e-3
+    torch.testing.assert_close(lse[1], sink, rtol=1e-6, atol=1e-6)  # token 1: no valid key
+
+
 # ----------------------------------------------------------------------------- through the public op
 
 

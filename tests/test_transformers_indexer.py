@@ -212,3 +212,26 @@ def test_each_chunk_scores_only_the_keys_it_sees(bool_mask):
     widths = [8 * (i + 1) for i in range(12)]
     assert rec.mm == [(128, w) for w in widths] + [(128, w) for w in [0, 0] + widths[2:]]
     assert _problems(got, *_reference(indexer, rope, x, q_resid, pe, mask), topk=16) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", MODELS)
+def test_half_precision_layer_on_cuda(name, dtype):
+    """A bfloat16 / float16 layer on CUDA scores the layer's own q and k on tensor cores into
+    float32: the selections against a float64 computation from those same (rounded) q, k and
+    the module's head weights, as the float32 path is checked above."""
+    indexer, rope, rotary = _indexer(name)
+    indexer = indexer.to("cuda", dtype)
+    x, q_resid, pe, mask, _ = _inputs(indexer, rotary, 2, 100, pad=10, bool_mask=True)
+    x, q_resid, mask = x.to("cuda", dtype), q_resid.to("cuda", dtype), mask.cuda()
+    pe = tuple(p.to("cuda", dtype) for p in pe)
+    ours = ti.indexer_topk(indexer, rope, x, q_resid, pe, mask, score_bytes=7 * 2 * 100 * 4)
+    with torch.no_grad():
+        q, k = ti._queries_and_keys(indexer, rope, x, q_resid, pe)
+        w = indexer.weights_proj(x).double() * indexer.n_heads**-0.5
+    dots = torch.einsum("bthd,bsd->bths", q.double(), k.double()) * indexer.softmax_scale
+    score = torch.einsum("bth,bths->bts", w, dots.relu()).masked_fill(~mask, float("-inf"))
+    bound = torch.einsum("bth,bths->bts", w.abs(), dots.abs()).amax(-1)
+    assert _problems(ours.cpu(), score.cpu(), mask.cpu(), bound.cpu(), topk=16) == []

@@ -33,9 +33,11 @@ within a few float32 ulps (a near-tie), which of them is kept; where scores are 
 (keys at which every head's relu is 0 score exactly 0), topk's choice among them depends on the
 width scored, so it can differ from transformers' and between chunk sizes. The selected keys'
 scores agree with a float64 computation of the same definition to float32 rounding
-(``tests/test_transformers_indexer.py``). The GEMMs are float32 by default; PyTorch's
-``torch.backends.cuda.matmul.allow_tf32 = True`` (``torch.set_float32_matmul_precision("high")``)
-makes them TF32 on a GPU, as it does transformers' ``matmul``.
+(``tests/test_transformers_indexer.py``). On a GPU with a bfloat16 or float16 layer the score
+GEMM multiplies the layer's own q and k into float32 (tensor cores: the same exact products,
+float32 accumulation; :func:`_on_tensor_cores`); otherwise it is a float32 GEMM of the upcast
+operands, which PyTorch's ``torch.backends.cuda.matmul.allow_tf32 = True`` makes TF32 on a GPU,
+as it does transformers' ``matmul``.
 """
 
 from __future__ import annotations
@@ -135,7 +137,7 @@ def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_re
     else:
         widths = _seen_widths(mask, chunk)
     for b in range(B):
-        keys = k[b].float()  # [S, D]
+        keys = k[b] if _on_tensor_cores(k) else k[b].float()  # [S, D]
         seen, row_widths = mask[min(b, mask.shape[0] - 1)], widths[min(b, len(widths) - 1)]
         for t0, width in zip(starts, row_widths):
             t1 = min(t0 + chunk, T)
@@ -144,15 +146,30 @@ def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_re
     return out
 
 
+def _on_tensor_cores(k: Tensor) -> bool:
+    """Whether the score GEMMs take the layer's bfloat16 / float16 queries and keys as they are,
+    with float32 output (CUDA only: ``torch.mm(..., out_dtype=torch.float32)``). Their products
+    are exact in float32 either way (8- or 11-bit significands), so only the float32 accumulation
+    differs from the float32 GEMM of the upcast operands. On the H200 (T = S = 16384, 64 index
+    heads of 128, bf16, causal): the whole indexer 70 ms against 121 ms, and both keep the keys
+    of the per-token float32 path in 99.99% of the rows."""
+    return k.is_cuda and k.dtype in (torch.bfloat16, torch.float16)
+
+
 def _chunk_topk(q: Tensor, keys: Tensor, w: Tensor, seen: Tensor, topk: int) -> Tensor:
     """One chunk of ``c`` query tokens: ``q [c, H, D]`` (the layer's dtype), ``keys [W, D]``
-    float32 (the first ``W`` keys: every key a row of the chunk sees is among them), ``w [c, H]``
-    float32 (scale included), ``seen [c, W]`` bool or additive; returns ``[c, topk]`` int32: the
-    top ``min(topk, W)`` of the ``W`` keys, then keys ``W, W + 1, ...``. Its float32 scores ``[c,
-    H, W]`` are freed on return, before the next chunk's are made."""
+    (the first ``W`` keys: every key a row of the chunk sees is among them), in q's dtype where
+    :func:`_on_tensor_cores`, else float32, ``w [c, H]`` float32 (scale included), ``seen [c,
+    W]`` bool or additive; returns ``[c, topk]`` int32: the top ``min(topk, W)`` of the ``W``
+    keys, then keys ``W, W + 1, ...``. Its float32 scores ``[c, H, W]`` are freed on return,
+    before the next chunk's are made."""
     c, H, D = q.shape
     W = keys.shape[0]
-    scores = torch.mm(q.reshape(c * H, D).float(), keys.T).relu_().view(c, H, W)
+    if keys.dtype == torch.float32:
+        scores = torch.mm(q.reshape(c * H, D).float(), keys.T)
+    else:
+        scores = torch.mm(q.reshape(c * H, D), keys.T, out_dtype=torch.float32)
+    scores = scores.relu_().view(c, H, W)
     summed = torch.bmm(w.unsqueeze(1), scores).squeeze(1)  # [c, W]
     del scores
     if seen.dtype == torch.bool:
