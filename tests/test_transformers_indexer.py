@@ -229,7 +229,7 @@ def test_half_precision_layer_on_cuda(name, dtype):
     pe = tuple(p.to("cuda", dtype) for p in pe)
     ours = ti.indexer_topk(indexer, rope, x, q_resid, pe, mask, score_bytes=7 * 2 * 100 * 4)
     with torch.no_grad():
-        q, k = ti._queries_and_keys(indexer, rope, x, q_resid, pe)
+        q, k = ti.index_queries(indexer, rope, q_resid, pe), ti.index_keys(indexer, rope, x, pe)
         w = indexer.weights_proj(x).double() * indexer.n_heads**-0.5
     dots = torch.einsum("bthd,bsd->bths", q.double(), k.double()) * indexer.softmax_scale
     score = torch.einsum("bth,bths->bts", w, dots.relu()).masked_fill(~mask, float("-inf"))

@@ -18,7 +18,9 @@ updates the model's own parameters. The RoPE and every projection are the layer'
 functions. The indexer's top-k comes from its own parameters and functions too, computed in query
 chunks by :func:`~mla_inductor.integrations.transformers_indexer.indexer_topk` (the same
 definition in float32, not bitwise: at near-ties it may keep the other key; float32 scores of at
-most 256 MiB at once instead of ``[B, T, index_n_heads, S]``).
+most 256 MiB at once instead of ``[B, T, index_n_heads, S]``). ``apply(model, indexer_loss=True)``
+also trains the indexers with DeepSeek-V3.2's KL loss, which :func:`indexer_loss` returns
+(:mod:`~mla_inductor.integrations.transformers_indexer_loss`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as _dsv32
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as _glm
 
 from ..api import sparse_mla
+from . import transformers_indexer_loss as _loss
 from .transformers_indexer import indexer_topk
 
 # The attention classes switched, each with its model's RoPE for the attention (interleaved pairs),
@@ -109,7 +112,13 @@ def _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddin
 
     w = attn.kv_b_proj.weight.view(H, nope + v_dim, rank)
     q = torch.cat((torch.einsum("bthn,hnr->bthr", q_nope, w[:, :nope]), q_rope), -1)
-    o_lat = sparse_mla(q, kv, _hide_masked(topk, attention_mask), sm_scale=attn.scaling, d_v=rank)
+    indices = _hide_masked(topk, attention_mask)
+    if _loss.active(attn):
+        o_lat, lse = sparse_mla(q, kv, indices, sm_scale=attn.scaling, d_v=rank, return_lse=True)
+        _loss.record(attn, index_rope, hidden_states, q_resid, position_embeddings, q, kv,
+                     indices, lse)
+    else:
+        o_lat = sparse_mla(q, kv, indices, sm_scale=attn.scaling, d_v=rank)
     out = torch.einsum("bthr,hvr->bthv", o_lat, w[:, nope:]).reshape(B, T, H * v_dim)
     return attn.o_proj(out), topk
 
@@ -165,7 +174,7 @@ def _apply(model: nn.Module) -> list[nn.Module]:
     return switched
 
 
-def apply(model: nn.Module) -> int:
+def apply(model: nn.Module, *, indexer_loss: bool = False) -> int:
     """Switches every ``DeepseekV32Attention`` and ``GlmMoeDsaAttention`` of ``model`` (any module
     tree containing them, e.g. a ``*ForCausalLM``) to the absorbed form on :func:`sparse_mla`.
 
@@ -189,28 +198,77 @@ def apply(model: nn.Module) -> int:
     T, S]`` is still built by the model (bool: 1 byte per entry, 256 MiB at T = S = 16384) and read
     by gathers; the attention reads only the top-k rows.
 
+    ``indexer_loss=True`` also trains the indexers (off by default; off, the forward is exactly the
+    one without the option): each forward of a layer with its own indexer, in training mode with
+    grad enabled, records DeepSeek-V3.2's indexer KL loss
+    (:mod:`~mla_inductor.integrations.transformers_indexer_loss`: the indexer's logits of the
+    selected keys, from its own modules on detached inputs, against the attention's head-summed
+    probabilities of them), which :func:`indexer_loss` returns for the training loop to add. The
+    option is set on every switched layer of ``model`` by each call (a later ``apply(model)`` turns
+    it off again).
+
     Returns:
-        The number of layers this call switched (layers already switched are left as they are).
+        The number of layers this call switched (layers already switched keep their forward).
 
     Raises:
         ValueError: ``model`` has no such layer.
         RuntimeError: a layer's ``forward`` is already replaced on the instance (accelerate's
             hooks), which switching would drop. At call time: ``attention_dropout > 0`` while
             training, a missing attention mask, a shared-top-k layer called without
-            ``prev_topk_indices``, and :func:`sparse_mla`'s own checks.
+            ``prev_topk_indices``, :func:`sparse_mla`'s own checks, and with ``indexer_loss``
+            a training forward with grad over a cache that held earlier tokens.
     """
-    return len(_apply(model))
+    switched = len(_apply(model))
+    for _, attn in _dsa_layers(model):
+        if _is_switched(attn):
+            _loss.enable(attn, indexer_loss)
+    return switched
+
+
+def indexer_loss(model: nn.Module) -> Tensor:
+    """The indexer loss of ``model``'s DSA layers since the last call, for a training loop to add
+    (``loss = lm_loss + coef * indexer_loss(model)``), after :func:`apply` with
+    ``indexer_loss=True``.
+
+    Each recorded loss holds its graph (about 14 bytes per selected slot and layer) until it is
+    taken, so call this once per forward: after several forwards (gradient accumulation without a
+    call in between) it gives the mean over all of them. With transformers' gradient
+    checkpointing (non-reentrant, its default) each forward records once; reentrant
+    checkpointing runs the layers without grad, so nothing is recorded.
+
+    Returns:
+        A 0-d float32 tensor on the model's device: the mean of the losses recorded since the last
+        call, one per forward of each layer that has its own indexer (GLM-5's "shared" layers
+        have none) in training mode with grad enabled, each
+        :func:`~mla_inductor.integrations.transformers_indexer_loss.layer_loss`; its gradient
+        reaches the indexers' parameters only. The record is then cleared. 0 (without grad)
+        where none was recorded (eval mode, ``torch.no_grad()``, no forward since).
+
+    Raises:
+        ValueError: ``model`` has no DSA attention layer.
+        RuntimeError: none of its layers has the indexer loss enabled.
+    """
+    layers = [attn for _, attn in _dsa_layers(model) if _loss.enabled(attn)]
+    if not layers:
+        raise RuntimeError(
+            f"mla_inductor: indexer_loss(model) needs the indexer loss enabled: no DSA layer of "
+            f"this {type(model).__name__} has it; call "
+            "mla_inductor.integrations.transformers.apply(model, indexer_loss=True) first"
+        )
+    return _loss.take(layers)
 
 
 def _remove(layers) -> None:
     for attn in layers:
         if _is_switched(attn):
             del attn.forward
+        _loss.enable(attn, False)
 
 
 def remove(model: nn.Module) -> int:
     """Puts every switched DSA attention layer of ``model`` back on transformers' own forward
-    (bitwise the model's outputs before :func:`apply`).
+    (bitwise the model's outputs before :func:`apply`), its indexer loss off and its recorded
+    losses dropped.
 
     Returns:
         The number of layers switched back.
@@ -227,7 +285,7 @@ def remove(model: nn.Module) -> int:
 def switched(model: nn.Module) -> Iterator[int]:
     """``with switched(model) as n:`` runs the block with :func:`apply` in effect (``n`` layers
     switched) and switches exactly those layers back on exit, also on an exception. Raises as
-    :func:`apply`."""
+    :func:`apply`. The layers it switches have no indexer loss (:func:`apply` has the option)."""
     layers = _apply(model)
     try:
         yield len(layers)

@@ -57,16 +57,40 @@ def chunk_tokens(n_heads: int, S: int, score_bytes: int) -> int:
     return max(1, score_bytes // (n_heads * S * 4))
 
 
-def _queries_and_keys(indexer, rope, hidden_states, q_resid, position_embeddings):
-    """The indexer's queries ``[B, T, n_heads, head_dim]`` and this call's keys ``[B, T,
-    head_dim]``, in the layer's dtype, RoPE on their first ``qk_rope_head_dim`` channels (the
-    intermediates are freed on return)."""
-    B, T, _ = hidden_states.shape
+def _rotate(rope: Callable, x: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
+    """``rope`` applied to ``x [B, T, n, qk_rope_head_dim]`` alone. The models' RoPE functions
+    rotate a (q, k) pair, each tensor on its own; ``x``'s first head goes in as the k (1/n of the
+    work, discarded), so the result is bitwise what the pair's call gives ``x``."""
+    return rope(x, x[:, :, :1], *position_embeddings, unsqueeze_dim=2)[0]
+
+
+def index_queries(indexer: nn.Module, rope: Callable, q_resid: Tensor,
+                  position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
+    """The indexer's queries ``[B, T, n_heads, head_dim]`` in the layer's dtype, from ``q_resid
+    [B, T, q_lora_rank]`` through ``indexer.wq_b``, RoPE (``rope``, as for :func:`indexer_topk`)
+    on their first ``qk_rope_head_dim`` channels. Differentiable where grad is enabled."""
+    B, T, _ = q_resid.shape
     H, D, rot = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
     q_rot, q_pass = indexer.wq_b(q_resid).view(B, T, H, D).split([rot, D - rot], -1)
+    return torch.cat((_rotate(rope, q_rot, position_embeddings), q_pass), -1)
+
+
+def index_keys(indexer: nn.Module, rope: Callable, hidden_states: Tensor,
+               position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
+    """This call's indexer keys ``[B, T, head_dim]`` in the layer's dtype, from ``hidden_states
+    [B, T, hidden_size]`` through ``indexer.wk`` and ``indexer.k_norm``, RoPE on their first
+    ``qk_rope_head_dim`` channels. Differentiable where grad is enabled."""
+    D, rot = indexer.head_dim, indexer.qk_rope_head_dim
     k_rot, k_pass = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2).split([rot, D - rot], -1)
-    q_rot, k_rot = rope(q_rot, k_rot, *position_embeddings, unsqueeze_dim=2)
-    return torch.cat((q_rot, q_pass), -1), torch.cat((k_rot, k_pass), -1).squeeze(2)
+    return torch.cat((_rotate(rope, k_rot, position_embeddings), k_pass), -1).squeeze(2)
+
+
+def head_weights(indexer: nn.Module, hidden_states: Tensor) -> Tensor:
+    """``[B, T, n_heads]`` float32: the model's head weights ``weights_proj(x) · n_heads**-0.5``
+    with ``softmax_scale`` folded in (module docstring). Differentiable where grad is enabled."""
+    proj = indexer.weights_proj
+    scale = indexer.n_heads**-0.5 * indexer.softmax_scale
+    return proj(hidden_states.to(proj.weight.dtype)).float() * scale
 
 
 def _seen_widths(mask: Tensor, chunk: int) -> list[list[int]]:
@@ -120,13 +144,12 @@ def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_re
     """
     B, T, _ = hidden_states.shape
     H = indexer.n_heads
-    q, k = _queries_and_keys(indexer, rope, hidden_states, q_resid, position_embeddings)
+    q = index_queries(indexer, rope, q_resid, position_embeddings)
+    k = index_keys(indexer, rope, hidden_states, position_embeddings)
     if cache is not None:
         k = cache.update_indexer(k, indexer.layer_idx)  # [B, S, D]
     S = k.shape[1]
-    proj = indexer.weights_proj
-    # [B, T, H]: the model's head weights with softmax_scale folded in (module docstring)
-    w = proj(hidden_states.to(proj.weight.dtype)).float() * (H**-0.5 * indexer.softmax_scale)
+    w = head_weights(indexer, hidden_states)
     topk = min(indexer.index_topk, S)
     out = torch.empty(B, T, topk, dtype=torch.int32, device=hidden_states.device)
     chunk = chunk_tokens(H, S, SCORE_BYTES if score_bytes is None else score_bytes)

@@ -1,0 +1,195 @@
+"""DeepSeek-V3.2's indexer loss for the DSA layers that :mod:`.transformers` switches (opt-in:
+``apply(model, indexer_loss=True)``; the sum a training loop adds: ``indexer_loss(model)``).
+
+transformers 5.24 runs the indexer under ``no_grad``: nothing trains it. DeepSeek-V3.2's sparse
+training stage (DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek
+Sparse Attention", 2025, section 2.1) trains it with, per query token ``t`` and its selected set
+``S_t``, ``KL(p_t || softmax(I_t))``: ``p_t`` the main attention's probabilities of the keys of
+``S_t``, summed over heads and L1-normalised, ``I_t`` the indexer's logits of those keys; the
+indexer's input is detached, so this loss trains the indexer only (and the language-model loss
+does not reach the indexer). Per layer with its own indexer, training forward by training
+forward:
+
+- ``target = indexer_target(q, kv, indices, lse, sm_scale=layer.scaling)`` on exactly the latent
+  ``q``, ``kv``, ``indices`` of the layer's ``sparse_mla`` call and the ``lse`` it returned
+  (:func:`mla_inductor.indexer_target`; the slots the model's mask hides are empty there);
+- ``logits[t, j] = sum_h w[t, h] · relu(softmax_scale · q_I[t, h] · k_I[indices[t, j]])``,
+  ``w = weights_proj(x) · n_heads**-0.5``, from the indexer's own ``wq_b``, ``wk``, ``k_norm``,
+  ``weights_proj`` and RoPE (:mod:`.transformers_indexer`'s definitions), with autograd, on
+  ``hidden_states.detach()`` and ``q_resid.detach()``; float32 products, as the model's indexer
+  scores;
+- ``loss = indexer_kl_loss(logits, target, indices, kv_len=S)``
+  (:func:`mla_inductor.indexer_kl_loss`): the KL over each token's valid slots, averaged over the
+  tokens that have one; empty slots get zero gradient.
+
+Memory: the logits are computed in chunks of query tokens, each under ``torch.utils.checkpoint``
+(non-reentrant), whose float32 gathered keys ``[B, c, topk, head_dim]`` and scores ``[B, c,
+n_heads, topk]`` (the chunk's queries too) are not kept for the backward: it recomputes them, one
+chunk at a time. ``c`` is the most tokens whose two tensors fit in :data:`LOSS_BYTES` (256 MiB;
+at least 1 token); a chunk holds up to about three times that at once (those tensors, the
+layer-dtype gather before its float32 copy, and in the backward their gradients). What each
+layer keeps for the backward (``tests/test_transformers_indexer_loss.py`` counts it): 14 bytes
+per selected slot (the int32 indices, the float32 target and log-probabilities, two bool masks of
+the valid slots), 448 MiB at B 1, T 16384, topk 2048 (the float32 gathered keys alone would be 16 GiB),
+plus this call's indexer keys twice (``[B, T, head_dim]`` in the layer's dtype) and O(B·T); the
+chunks also read the layer's ``hidden_states`` and ``q_resid``, which the model keeps for its own
+backward anyway. Time: the indexer's query projection and the chunks' float32 products run in
+the forward, again in the backward's recomputation, and twice for the gradients (float32
+products, as transformers' indexer scores in float32), and one
+:func:`~mla_inductor.indexer_target` per layer; not measured on a GPU.
+
+Transformers' gradient checkpointing (``model.activation_checkpointing_enable()``, non-reentrant
+by default) works: the recomputation inside the backward computes the loss again (its backward
+needs that) without recording it a second time. With ``use_reentrant=True`` the layers' forward
+runs without grad, so no loss is recorded (:func:`take` gives 0).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from ..api import indexer_kl_loss, indexer_target
+from .transformers_indexer import chunk_tokens, head_weights, index_keys, index_queries
+
+# The float32 gathered keys and scores one chunk of the logits may hold: 256 MiB.
+LOSS_BYTES = 2**28
+
+# The attribute of an attention module holding its recorded losses (a list of 0-d float32
+# tensors); present exactly while the layer's indexer loss is enabled.
+_LOSSES = "_mla_inductor_indexer_losses"
+
+
+def enable(attn: nn.Module, on: bool) -> None:
+    """Turns ``attn``'s indexer loss on (keeping losses already recorded) or off (dropping
+    them)."""
+    if on:
+        attn.__dict__.setdefault(_LOSSES, [])
+    else:
+        attn.__dict__.pop(_LOSSES, None)
+
+
+def enabled(attn: nn.Module) -> bool:
+    """Whether ``attn``'s indexer loss is on (:func:`enable`)."""
+    return _LOSSES in attn.__dict__
+
+
+def active(attn: nn.Module) -> bool:
+    """Whether this forward of ``attn`` computes its indexer loss: enabled, the layer has its own
+    indexer (GLM-5's "shared" layers reuse the previous layer's top-k and have none), training,
+    and grad enabled."""
+    return (getattr(attn, _LOSSES, None) is not None and attn.indexer is not None
+            and attn.training and torch.is_grad_enabled())
+
+
+def record(attn: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tensor,
+           position_embeddings: tuple[Tensor, Tensor], q: Tensor, kv: Tensor, indices: Tensor,
+           lse: Tensor) -> None:
+    """Computes this forward's indexer loss of ``attn`` (:func:`layer_loss`) and appends it to the
+    layer's recorded losses, unless this forward runs inside a backward pass: that is a
+    checkpoint's recomputation (transformers' gradient checkpointing, non-reentrant), whose loss
+    was recorded by the original forward and whose backward needs this computation's saved
+    tensors, so it is computed and not recorded again. Compiled code never runs there
+    (``torch.utils.checkpoint`` recomputes with dynamo disabled), so it needs no check."""
+    loss = layer_loss(attn, rope, hidden_states, q_resid, position_embeddings, q, kv, indices, lse)
+    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+        getattr(attn, _LOSSES).append(loss)
+
+
+def take(layers: list[nn.Module]) -> Tensor:
+    """The mean of the losses ``layers`` recorded (0-d float32; 0, without grad, where none
+    recorded one), which are then cleared."""
+    losses = [loss for attn in layers for loss in getattr(attn, _LOSSES)]
+    for attn in layers:
+        getattr(attn, _LOSSES).clear()
+    if not losses:
+        return torch.zeros((), device=next(layers[0].parameters()).device)
+    return torch.stack(losses).mean()
+
+
+def layer_loss(attn: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tensor,
+               position_embeddings: tuple[Tensor, Tensor], q: Tensor, kv: Tensor,
+               indices: Tensor, lse: Tensor) -> Tensor:
+    """One layer's indexer loss for one forward (module docstring), a 0-d float32 tensor whose
+    gradient reaches the indexer's parameters only.
+
+    Args:
+        attn: the switched ``DeepseekV32Attention`` / ``GlmMoeDsaAttention``, with an indexer.
+        rope: the RoPE its indexer applies (as for
+            :func:`~mla_inductor.integrations.transformers_indexer.indexer_topk`).
+        hidden_states: ``[B, T, hidden_size]``, the layer's input (read detached).
+        q_resid: ``[B, T, q_lora_rank]``, ``q_a_layernorm(q_a_proj(hidden_states))`` (read
+            detached).
+        position_embeddings: ``(cos, sin)``, each ``[B or 1, T, qk_rope_head_dim]``.
+        q, kv, indices, lse: the layer's ``sparse_mla`` call: ``q [B, T, H, kv_lora_rank +
+            qk_rope_head_dim]``, ``kv [B, S, kv_lora_rank + qk_rope_head_dim]``, ``indices [B,
+            T, topk]`` int32 (-1 where the model's mask hides the key), and the ``lse [B, T, H]``
+            float32 it returned (all read detached by the target).
+
+    Raises:
+        RuntimeError: ``S != T``: a cache that held earlier tokens (or a static cache's unfilled
+            rows) before this forward; the loss covers forwards whose keys are their own tokens
+            (no cache, or a fresh dynamic one, as a training forward has).
+    """
+    B, T, _ = hidden_states.shape
+    S = kv.shape[1]
+    if S != T:
+        raise RuntimeError(
+            f"mla_inductor: the indexer loss needs a training forward over its own tokens only, "
+            f"got {T} tokens attending to {S} keys (a cache holding earlier tokens, or a static "
+            "cache); pass use_cache=False, or run it in eval mode or under torch.no_grad()"
+        )
+    target = indexer_target(q, kv, indices, lse, sm_scale=attn.scaling)
+    logits = indexer_logits(attn.indexer, rope, hidden_states.detach(), q_resid.detach(),
+                            position_embeddings, indices)
+    return indexer_kl_loss(logits, target, indices, kv_len=S)
+
+
+def indexer_logits(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tensor,
+                   position_embeddings: tuple[Tensor, Tensor], indices: Tensor) -> Tensor:
+    """The indexer's logits of the selected keys, ``[B, T, topk]`` float32, differentiable in the
+    indexer's parameters (and in ``hidden_states`` / ``q_resid`` where those require grad):
+    ``logits[b, t, j] = sum_h w[b, t, h] · relu(softmax_scale · q[b, t, h] · k[b, indices[b, t,
+    j]])`` with the model's indexer definitions (``w`` its head weights), in chunks of query
+    tokens under non-reentrant checkpointing (module docstring; :data:`LOSS_BYTES` read at each
+    call). Keys are this call's tokens
+    (``S = T``); an empty slot (index < 0 or >= T) gets the logit of key 0, which
+    :func:`mla_inductor.indexer_kl_loss` ignores (zero gradient).
+
+    ``hidden_states [B, T, hidden_size]``, ``q_resid [B, T, q_lora_rank]``, ``(cos, sin)`` each
+    ``[B or 1, T, qk_rope_head_dim]``, ``indices [B, T, topk]`` integer.
+    """
+    B, T, topk = indices.shape
+    H, D = indexer.n_heads, indexer.head_dim
+    keys = index_keys(indexer, rope, hidden_states, position_embeddings)  # [B, T, D]
+    # [B·(H + D), topk] float32 per token: one token's gathered keys and scores
+    chunk = chunk_tokens(B * (H + D), topk, LOSS_BYTES)
+    cos, sin = position_embeddings
+    parts = []
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        parts.append(checkpoint(
+            _chunk_logits, indexer, rope, hidden_states[:, t0:t1], q_resid[:, t0:t1],
+            cos[:, t0:t1], sin[:, t0:t1], keys, indices[:, t0:t1],
+            use_reentrant=False, preserve_rng_state=False,
+        ))
+    return torch.cat(parts, 1)
+
+
+def _chunk_logits(indexer: nn.Module, rope: Callable, x: Tensor, q_resid: Tensor, cos: Tensor,
+                  sin: Tensor, keys: Tensor, indices: Tensor) -> Tensor:
+    """One chunk of ``c`` tokens: ``x [B, c, hidden_size]``, ``q_resid [B, c, q_lora_rank]``,
+    ``cos, sin [B or 1, c, rot]``, ``keys [B, T, D]`` (the layer's dtype), ``indices [B, c,
+    topk]``; returns ``[B, c, topk]`` float32 (``softmax_scale`` folded into the head weights:
+    ``relu(a·x) = a·relu(x)`` for ``a > 0``)."""
+    B, c, topk = indices.shape
+    T, D = keys.shape[1:]
+    rows = torch.where((indices >= 0) & (indices < T), indices, 0).long().view(B, c * topk, 1)
+    picked = keys.gather(1, rows.expand(B, c * topk, D)).float().view(B * c, topk, D)
+    q = index_queries(indexer, rope, q_resid, (cos, sin)).float()  # [B, c, H, D]
+    w = head_weights(indexer, x)  # [B, c, H]
+    scores = torch.bmm(q.view(B * c, -1, D), picked.transpose(1, 2)).relu()  # [B·c, H, topk]
+    return torch.bmm(w.view(B * c, 1, -1), scores).view(B, c, topk)
