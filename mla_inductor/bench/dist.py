@@ -32,9 +32,9 @@ all-gather or a reduce-scatter, ``2 (n - 1) / n`` for an all-reduce); ``speedup 
 single's ms over the mode's; ``rel-L2 vs single``, the largest ``||x - ref|| / ||ref||`` of out,
 dq and dkv of that step gathered to full tensors (``DTensor.full_tensor``) against single's.
 
-Launch: the command spawns ``--ranks`` processes itself (``torch.multiprocessing.spawn``, a free
-local port, ``init_process_group`` with NCCL and one GPU per rank on CUDA, gloo on the CPU) and
-prints the table from rank 0's results; it is not meant to run under ``torchrun`` and says so.
+Launch: the command spawns ``--ranks`` processes itself (:func:`mla_inductor.bench.ranks.spawn`:
+a free local port, NCCL and one GPU per rank on CUDA, gloo on the CPU) and prints the table from
+rank 0's results; it is not meant to run under ``torchrun`` and says so.
 ``--tiny``: H 8, d_qk 80, d_v 64, topk 16, T 64 128, float32 (on the CPU by default: a smoke
 run in seconds, ``tests/test_bench.py`` runs it on 2 ranks).
 """
@@ -43,18 +43,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
-import socket
-import tempfile
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..api import sparse_mla
 from .problems import D_QK, D_V, make_indices, require_sm90
+from .ranks import device_name, spawn
 from .timing import time_ms_calls
 
 MODES = ("single", "tp", "cp")
@@ -210,37 +208,12 @@ def _bench_T(cfg: Config, T: int, mesh, device: torch.device, warmup: int, iters
     return rows if rank == 0 else []
 
 
-def _worker(rank: int, ranks: int, port: int, device_type: str, cfg: Config, Ts: list,
-            warmup: int, iters: int, result_path: str) -> None:
-    """One rank: joins the group (NCCL on ``cuda:<rank>``, gloo on the CPU), runs every T and,
-    on rank 0, writes ``{"device": ..., "rows": [...]}`` as JSON to ``result_path``."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device_type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=ranks, device_id=device)
-        where = torch.cuda.get_device_name(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-        dist.init_process_group("gloo", rank=rank, world_size=ranks)
-        where = "CPU"
-    try:
-        mesh = init_device_mesh(device_type, (ranks,))
-        rows = [row for T in Ts for row in _bench_T(cfg, T, mesh, device, warmup, iters)]
-        if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump(dict(device=where, rows=rows), f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _bench_ranks(mesh, device: torch.device, cfg: Config, Ts: list, warmup: int,
+                 iters: int) -> Optional[dict]:
+    """One rank's part (:func:`mla_inductor.bench.ranks.spawn` runs it on every rank): every T;
+    rank 0 returns ``{"device": ..., "rows": [...]}``, the others None."""
+    rows = [row for T in Ts for row in _bench_T(cfg, T, mesh, device, warmup, iters)]
+    return dict(device=device_name(device), rows=rows) if dist.get_rank() == 0 else None
 
 
 def bench_dist(Ts, ranks: int, cfg: Config, device_type: str, warmup: int = 2,
@@ -248,14 +221,7 @@ def bench_dist(Ts, ranks: int, cfg: Config, device_type: str, warmup: int = 2,
     """Spawns ``ranks`` processes, prints the table (module docstring) for token counts ``Ts``
     and returns its rows: dicts with ``T``, ``mode``, ``ms``, ``peak_gib``, ``counts``,
     ``nbytes`` and ``rel_l2`` (None for single)."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "rank0.json")
-        mp.spawn(_worker, args=(ranks, _free_port(), device_type, cfg, list(Ts), warmup, iters,
-                                path), nprocs=ranks)
-        with open(path) as f:
-            found = json.load(f)
+    found = spawn(_bench_ranks, ranks, device_type, (cfg, list(Ts), warmup, iters))[0]
     backend = "NCCL" if device_type == "cuda" else "gloo"
     print(f"# One DSA attention layer (sparse_mla, causal), forward + backward, DTensor over "
           f"{ranks} ranks ({backend}), {datetime.date.today()}, {found['device']}, torch "
