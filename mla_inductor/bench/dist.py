@@ -32,11 +32,16 @@ all-gather or a reduce-scatter, ``2 (n - 1) / n`` for an all-reduce); ``speedup 
 single's ms over the mode's; ``rel-L2 vs single``, the largest ``||x - ref|| / ||ref||`` of out,
 dq and dkv of that step gathered to full tensors (``DTensor.full_tensor``) against single's.
 
+``--train STEPS`` prints another table instead: a small DSA model (``Config.dim`` wide, two
+layers of this layer's heads and widths) trained ``STEPS`` SGD steps at each T (default 4096,
+with ``--tiny`` 64) in the same three modes, each step's loss and the largest relative difference
+from single's (:mod:`mla_inductor.bench.dist_train`).
+
 Launch: the command spawns ``--ranks`` processes itself (:func:`mla_inductor.bench.ranks.spawn`:
 a free local port, NCCL and one GPU per rank on CUDA, gloo on the CPU) and prints the table from
-rank 0's results; it is not meant to run under ``torchrun`` and says so.
-``--tiny``: H 8, d_qk 80, d_v 64, topk 16, T 64 128, float32 (on the CPU by default: a smoke
-run in seconds, ``tests/test_bench.py`` runs it on 2 ranks).
+rank 0's results; it is not meant to run under ``torchrun`` and says so. ``--tiny``: H 8, d_qk
+80, d_v 64, topk 16, T 64 128, float32, with ``--train`` a model of width 32 (on the CPU by
+default: a smoke run in seconds, ``tests/test_bench.py`` runs both on 2 ranks).
 """
 
 from __future__ import annotations
@@ -51,25 +56,26 @@ import torch
 import torch.distributed as dist
 
 from ..api import sparse_mla
+from .dist_train import MODES, Widths, train_dist
 from .problems import D_QK, D_V, make_indices, require_sm90
 from .ranks import device_name, spawn
 from .timing import time_ms_calls
 
-MODES = ("single", "tp", "cp")
-
 
 class Config(NamedTuple):
-    """The layer's widths and element type (``dtype`` a ``torch`` dtype's name)."""
+    """The layer's widths and element type (``dtype`` a ``torch`` dtype's name), and the width
+    ``dim`` of ``--train``'s model."""
 
     H: int
     d_qk: int
     d_v: int
     topk: int
     dtype: str
+    dim: int
 
 
-REAL = Config(H=128, d_qk=D_QK, d_v=D_V, topk=2048, dtype="bfloat16")
-TINY = Config(H=8, d_qk=80, d_v=64, topk=16, dtype="float32")
+REAL = Config(H=128, d_qk=D_QK, d_v=D_V, topk=2048, dtype="bfloat16", dim=256)
+TINY = Config(H=8, d_qk=80, d_v=64, topk=16, dtype="float32", dim=32)
 
 
 def make_problem(cfg: Config, T: int, device: torch.device) -> dict:
@@ -247,11 +253,12 @@ def bench_dist(Ts, ranks: int, cfg: Config, device_type: str, warmup: int = 2,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``dist`` subcommand's flags: ``--ranks``, ``--T``, ``--topk``, ``--device``,
-    ``--warmup``, ``--iters``, ``--tiny``."""
+    ``--warmup``, ``--iters``, ``--tiny``, ``--train``, ``--lr``."""
     parser.add_argument("--ranks", type=int, default=2,
                         help="processes to spawn (one GPU each on CUDA); default: 2")
     parser.add_argument("--T", type=int, nargs="+", default=None,
-                        help="token counts T (S = T); default: 16384 65536 (with --tiny: 64 128)")
+                        help="token counts T (S = T); default: 16384 65536 (with --tiny: 64 "
+                             "128); with --train: 4096 (with --tiny: 64)")
     parser.add_argument("--topk", type=int, default=None,
                         help="slots per token; default: 2048 (with --tiny: 16)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -263,18 +270,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed steps per T and mode, the median reported; default: 5")
     parser.add_argument("--tiny", action="store_true",
                         help="H 8, d_qk 80, d_v 64, topk 16, float32: a smoke run in seconds")
+    parser.add_argument("--train", type=int, default=None, metavar="STEPS",
+                        help="train a 2-layer DSA model STEPS SGD steps per T in each mode and "
+                             "print the losses instead of the layer table")
+    parser.add_argument("--lr", type=float, default=0.5,
+                        help="the SGD learning rate of --train; default: 0.5")
 
 
 def run(args: argparse.Namespace) -> list:
-    """Runs the subcommand for parsed flags (:func:`add_arguments`); returns the table's rows.
-    Exits with a message under ``torchrun`` (this command spawns its own ranks), for fewer than
-    one rank, and on CUDA when the sm90 kernels cannot run here (unless ``--tiny``) or there are
-    fewer GPUs than ranks."""
+    """Runs the subcommand for parsed flags (:func:`add_arguments`); returns the table's rows, or
+    with ``--train`` a ``{mode: [loss per step]}`` per T. Exits with a message under ``torchrun``
+    (this command spawns its own ranks), for fewer than one rank or ``--train`` steps, and on
+    CUDA when the sm90 kernels cannot run here (unless ``--tiny``) or there are fewer GPUs than
+    ranks."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         raise SystemExit("mla_inductor: bench dist spawns its own ranks (--ranks); run it with "
                          "python -m, not under torchrun")
     if args.ranks < 1:
         raise SystemExit(f"mla_inductor: bench dist needs --ranks >= 1, got {args.ranks}")
+    if args.train is not None and args.train < 1:
+        raise SystemExit(f"mla_inductor: bench dist needs --train >= 1, got {args.train}")
     device_type = args.device or ("cpu" if args.tiny else "cuda")
     if device_type == "cuda":
         if not args.tiny:
@@ -285,5 +300,9 @@ def run(args: argparse.Namespace) -> list:
     cfg = TINY if args.tiny else REAL
     if args.topk is not None:
         cfg = cfg._replace(topk=args.topk)
+    if args.train is not None:
+        widths = Widths(dim=cfg.dim, heads=cfg.H, d_qk=cfg.d_qk, d_v=cfg.d_v, dtype=cfg.dtype)
+        return [train_dist(widths, T, cfg.topk, args.train, args.ranks, device_type, args.lr)
+                for T in args.T or ([64] if args.tiny else [4096])]
     return bench_dist(args.T or ([64, 128] if args.tiny else [16384, 65536]), args.ranks, cfg,
                       device_type, warmup=args.warmup, iters=args.iters)

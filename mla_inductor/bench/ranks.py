@@ -4,7 +4,8 @@ rank returns.
 :func:`spawn` starts ``ranks`` processes (``torch.multiprocessing.spawn``, a free local port),
 joins them in a group (NCCL with one GPU per rank, ``cuda:<rank>``, on CUDA; gloo on the CPU,
 the CPU's cores split between the ranks), gives the function a 1-D device mesh of every rank and
-returns each rank's JSON-serialisable result in rank order. ``bench dist`` runs through it.
+returns each rank's JSON-serialisable result in rank order. ``bench dist`` (its layer table and
+its ``--train`` run) runs through it.
 """
 
 from __future__ import annotations
