@@ -5,7 +5,7 @@ rank returns.
 joins them in a group (NCCL with one GPU per rank, ``cuda:<rank>``, on CUDA; gloo on the CPU,
 the CPU's cores split between the ranks), gives the function a 1-D device mesh of every rank and
 returns each rank's JSON-serialisable result in rank order. ``bench dist`` (its layer table and
-its ``--train`` run) runs through it.
+its ``--train`` run) and ``tests/test_distributed.py`` (gloo and NCCL) run through it.
 """
 
 from __future__ import annotations
