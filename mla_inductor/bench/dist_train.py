@@ -26,8 +26,8 @@ per step from a generator seeded by the step):
 No collective is written here: all are DTensor's. Printed: each step's loss per mode and the
 largest ``|loss - single's| / single's`` over the steps per mode. On CUDA with the kernels the
 sharded modes are not bitwise one GPU's: dkv's fp32 atomics sum in another order, each rank
-rounds its partial dkv to bf16 before the all-reduce, and the linears' split matmuls round
-differently.
+rounds its partial dkv to bf16 before the collective sums them, and the linears' split matmuls
+round differently.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Spawned process groups: run one function on every rank of a local group and collect what each
 rank returns.
 
-:func:`spawn` starts ``ranks`` processes (``torch.multiprocessing.spawn``, a free local port),
-joins them in a group (NCCL with one GPU per rank, ``cuda:<rank>``, on CUDA; gloo on the CPU,
+:func:`spawn` starts ``ranks`` processes (``torch.multiprocessing.spawn``), joins them in a group
+through a file in a temporary folder of their own (no port to pick, so no race for one with
+other programs on the machine) (NCCL with one GPU per rank, ``cuda:<rank>``, on CUDA; gloo on the CPU,
 the CPU's cores split between the ranks), gives the function a 1-D device mesh of every rank and
 returns each rank's JSON-serialisable result in rank order. ``bench dist`` (its layer table and
 its ``--train`` run) and ``tests/test_distributed.py`` (gloo and NCCL) run through it.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import tempfile
 from typing import Callable, Optional
 
@@ -26,33 +26,30 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, fn: Callable, ranks: int, port: int, device_type: str, args: tuple,
+def _worker(rank: int, fn: Callable, ranks: int, device_type: str, args: tuple,
             timeout_s: Optional[float], folder: str) -> None:
-    """One rank: joins the group, runs ``fn(mesh, device, *args)`` and writes its result to
-    ``<folder>/rank<rank>.json``; leaves the group whatever happens."""
+    """One rank: joins the group (rendezvous in ``<folder>/store``), runs ``fn(mesh, device,
+    *args)``, writes its result to ``<folder>/rank<rank>.json`` and waits for every rank before
+    leaving the group (none tears its connections down while another still uses them); leaves it
+    whatever happens."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    group = dict(init_method="file://" + os.path.join(folder, "store"), rank=rank,
+                 world_size=ranks,
+                 timeout=None if timeout_s is None else datetime.timedelta(seconds=timeout_s))
     if device_type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=ranks, device_id=device,
-                                timeout=timeout)
+        dist.init_process_group("nccl", device_id=device, **group)
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-        dist.init_process_group("gloo", rank=rank, world_size=ranks, timeout=timeout)
+        dist.init_process_group("gloo", **group)
     try:
         result = fn(init_device_mesh(device_type, (ranks,)), device, *args)
         with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -80,8 +77,8 @@ def spawn(fn: Callable, ranks: int, device_type: str, args: tuple = (),
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_worker, args=(fn, ranks, _free_port(), device_type, tuple(args), timeout_s,
-                                folder), nprocs=ranks)
+        mp.spawn(_worker, args=(fn, ranks, device_type, tuple(args), timeout_s, folder),
+                 nprocs=ranks)
         found = []
         for rank in range(ranks):
             with open(os.path.join(folder, f"rank{rank}.json")) as f:
