@@ -1,8 +1,9 @@
 """The benchmark command: ``--help`` at every level, usage errors, and on a machine without an
 SM90 GPU each subcommand exits with a message naming why (the benchmarks themselves run on the
 H200, see README); ``hf --tiny``'s CPU smoke run and its layer's modes agreeing; ``dist --tiny``
-on 2 gloo ranks (tensor and context parallel equal to one process, their collectives); on a
-GPU, the timers."""
+on 2 gloo ranks (tensor and context parallel equal to one process, their collectives) and its
+``--train`` run (the losses of one process trained here, tensor and context parallel equal to
+them); on a GPU, the timers."""
 
 import re
 import subprocess
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from conftest import rel_l2
-from mla_inductor.bench import cli, dist, hf, timing
+from mla_inductor.bench import cli, dist, dist_train, hf, timing
 
 
 @pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["indexer"], ["hf"], ["dist"]])
@@ -215,6 +216,35 @@ def test_dist_tiny_on_two_gloo_ranks(capsys):
             assert float(err) <= 1e-5, (T, mode, err)
 
 
+def test_dist_train_tiny_on_two_gloo_ranks(capsys):
+    """``dist --tiny --train 3 --ranks 2`` through the command: single's losses are those of the
+    same model trained here in one process on the same batches, tp's and cp's equal them
+    (float32 on the reference backend: only the order of sums differs), and the last line gives
+    the largest relative difference of each."""
+    cli.main(["dist", "--tiny", "--train", "3", "--ranks", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"# A 2-layer DSA model \(dim 32, H 8, d_qk 80, d_v 64, topk 16, T 64; "
+                    r"attention in float32, parameters float32\), 3 SGD steps \(lr 0\.5\) .* "
+                    r"over 2 ranks \(gloo\), \d{4}-\d\d-\d\d, CPU, torch ", lines[0])
+    assert lines[1] == "| step | single | tp | cp |"
+    table = [[float(c) for c in line.strip("|").split("|")] for line in lines[3:6]]
+    assert [row[0] for row in table] == [1, 2, 3]
+    w = dist_train.Widths(dim=32, heads=8, d_qk=80, d_v=64, dtype="float32")
+    batches = dist_train.make_batches(32, 64, 16, 3, torch.device("cpu"))
+    here = dist_train.train(dist_train.Model(w), batches, lr=0.5).tolist()
+    worst = {}
+    for (_, single, tp, cp), loss in zip(table, here):
+        assert single == pytest.approx(loss, rel=1e-6)  # printed to 7 digits
+        for mode, value in (("tp", tp), ("cp", cp)):
+            assert value == pytest.approx(single, rel=1e-5), (mode, value, single)
+            worst[mode] = max(worst.get(mode, 0.0), abs(value - single) / single)
+    found = re.fullmatch(r"largest \|loss - single\| / single over the steps: tp (\S+), cp (\S+)",
+                         lines[6])
+    assert found and all(float(found[i + 1]) <= 1e-5 for i in range(2)), lines[6]
+    assert float(found[1]) == pytest.approx(worst["tp"], abs=1e-6)
+    assert float(found[2]) == pytest.approx(worst["cp"], abs=1e-6)
+
+
 def test_dist_refuses_torchrun_and_missing_gpus(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
     with pytest.raises(SystemExit, match="spawns its own ranks"):
@@ -222,6 +252,8 @@ def test_dist_refuses_torchrun_and_missing_gpus(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     with pytest.raises(SystemExit, match="needs --ranks >= 1"):
         cli.main(["dist", "--tiny", "--ranks", "0"])
+    with pytest.raises(SystemExit, match="needs --train >= 1"):
+        cli.main(["dist", "--tiny", "--train", "0"])
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="--ranks 2 needs as many GPUs, found 0"):
             cli.main(["dist", "--tiny", "--device", "cuda"])

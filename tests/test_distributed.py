@@ -1,67 +1,215 @@
-"""DTensor inputs through sparse_mla (:mod:`mla_inductor.distributed`): spawned gloo process groups
-of 2 and 4 ranks on CPU, every result equal to the single-process one on the full tensors.
+"""DTensor inputs through sparse_mla (:mod:`mla_inductor.distributed`): spawned process groups,
+every result equal to the single-process one on the full tensors.
 
-One group per world size runs every check (spawning is slow) and writes, per rank, the error of
-each check or ``None``; the tests below read them. Checks: each placement of the sharding rules
-(forward values out, lse, max_logits and the gradients of q, kv and the sink, with a loss that
-reaches lse); redistributions (kv sharded on tokens, q sharded on d_qk); uneven token shards;
-(4 ranks) a 2 x 2 mesh sharding tokens and heads at once; a 2-layer DSA model
-trained 3 steps under ``parallelize_module`` (tensor parallel over heads) and under
-``fully_shard`` (FSDP2), losses equal to one process's; and (2 ranks) ``torch.compile`` with
-``fullgraph=True`` on DTensor inputs, forward and backward.
+One set of checks, two variants (:class:`Setup`):
+
+- ``GLOO``: CPU, gloo, groups of 2 and 4 ranks, float32 tiny shapes, the reference backend; every
+  result equal to the single process's to float32's tolerance (``torch.testing.assert_close``'s
+  defaults: only the order of sums differs).
+- ``NCCL``: 2 CUDA GPUs of capability (9, 0), NCCL, one GPU per rank, bf16 at the kernels'
+  widths (T 256, H 128: 64 heads, one whole head tile, per rank under head sharding; d_qk 576,
+  d_v 512, S 512, topk 256 with empty slots and future keys), the sm90 backend; marked ``cuda``
+  and skipped, with the reason, elsewhere. Each single-process result is computed on the rank's
+  own GPU. out, lse, max_logits, dq and the indexer target must be **bitwise** equal: in the
+  sm90 kernels one CTA computes one token x one 64-head tile from that token's q, indices and
+  positions and the whole kv (``kernels/sm90/fwd.py``, ``bwd.py``: dq leaves the CTA from
+  registers; ``indexer.py``: one CTA per token with all its heads), the forward's compile key
+  has no head count, the backward's static head count only masks heads >= H, so sharding heads
+  in whole tiles or tokens (kv replicated or all-gathered, a bitwise copy) gives every CTA the
+  same work. dkv sums fp32 atomics (their order varies from run to run) and is rounded to bf16
+  per rank before the sum over the ranks: see :func:`_assert_dkv`; d_sink sums float32 terms in
+  another order: :func:`_assert_d_sink`; training losses: :func:`_assert_losses`.
+
+One group per variant and world size runs every check (spawning is slow;
+:func:`mla_inductor.bench.ranks.spawn`) and returns, per rank, the error of each check or
+``None``; the tests below read them. Checks: each placement of the sharding rules (forward values
+out, lse, max_logits and the gradients of q, kv and the sink, with a loss that reaches lse);
+redistributions (kv sharded on tokens, q sharded on d_qk); uneven token shards; (4 ranks) a 2 x 2
+mesh sharding tokens and heads at once; a 2-layer DSA model
+(:class:`mla_inductor.bench.dist_train.Model`) trained 3 steps under ``parallelize_module``
+(tensor parallel over heads) and under ``fully_shard`` (FSDP2), losses equal to one process's;
+the indexer target's rules; and (2 ranks) ``torch.compile`` with ``fullgraph=True`` on DTensor
+inputs, forward and backward. The GPU variant runs the checks of :data:`GPU_CHECKS`.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
-import socket
 import subprocess
 import sys
 import traceback
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
 
-from mla_inductor import indexer_target, sparse_mla
+from conftest import kernel_available
+from mla_inductor import backends, indexer_target, sparse_mla
+from mla_inductor.bench.dist_train import Model, Widths, parallelize_heads, train
+from mla_inductor.bench.ranks import spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
-T, H, D_QK, D_V, S, TOPK, BATCH, DIM = 8, 4, 16, 8, 12, 6, 4, 32
+
+class Setup(NamedTuple):
+    """One variant of the checks: where they run, the backend and element type, the sizes
+    (``batch`` sequences of the batched checks, ``dim`` the trained model's width), whether the
+    placements marked batched take batched inputs (else flat ones: on the GPUs, where q
+    ``Shard(1)`` must shard the heads and :func:`_dkv_parts` splits the flat layout) and the
+    group's collective timeout."""
+
+    device_type: str  # "cpu" (gloo) or "cuda" (NCCL, one GPU per rank)
+    backend: str  # MLA_INDUCTOR_BACKEND in the ranks
+    dtype: str  # of q and kv (the sink is float32)
+    T: int
+    H: int
+    d_qk: int
+    d_v: int
+    S: int
+    topk: int
+    batch: int
+    dim: int
+    batched: bool
+    timeout_s: float
+
+
+GLOO = Setup("cpu", "reference", "float32", T=8, H=4, d_qk=16, d_v=8, S=12, topk=6, batch=4,
+             dim=32, batched=True, timeout_s=120)
+# timeout: a rank may wait in a collective while the other compiles a kernel (seconds each)
+NCCL = Setup("cuda", "sm90", "bfloat16", T=256, H=128, d_qk=576, d_v=512, S=512, topk=256,
+             batch=2, dim=256, batched=False, timeout_s=900)
 PLACEMENTS = ("replicated", "heads", "tokens", "tokens_kv_sharded", "batch", "q_sharded_on_d_qk",
               "tokens_uneven")
 CHECKS = (*PLACEMENTS, "tp_training", "fsdp2_training", "indexer_target")
+GPU_CHECKS = ("replicated", "heads", "tokens", "tokens_kv_sharded", "tp_training",
+              "fsdp2_training", "indexer_target", "compile")
+OUTPUTS = ("out", "lse", "max_logits", "dq", "dkv", "d_sink")
+BF16_UNIT_ROUNDOFF = 2.0**-8
+FP32_UNIT_ROUNDOFF = 2.0**-24
 
 
-def _inputs(batched: bool):
-    """q, kv, indices, topk_length, q_positions, attn_sink (float32, seeded, some empty slots and
-    future keys)."""
+def _inputs(setup: Setup, batched: bool):
+    """q, kv, indices, topk_length, q_positions, attn_sink (seeded, drawn in float32 on the CPU,
+    some empty slots and future keys), on ``setup``'s device, q and kv in its dtype."""
     g = torch.Generator().manual_seed(0)
-    lead = (BATCH,) if batched else ()
-    q = torch.randn(*lead, T, H, D_QK, generator=g)
-    kv = torch.randn(*lead, S, D_QK, generator=g)
-    indices = torch.randint(-1, S, (*lead, T, TOPK), generator=g, dtype=torch.int32)
-    topk_length = torch.randint(1, TOPK + 1, (*lead, T), generator=g, dtype=torch.int32)
+    lead = (setup.batch,) if batched else ()
+    T, S, topk = setup.T, setup.S, setup.topk
+    q = torch.randn(*lead, T, setup.H, setup.d_qk, generator=g)
+    kv = torch.randn(*lead, S, setup.d_qk, generator=g)
+    indices = torch.randint(-1, S, (*lead, T, topk), generator=g, dtype=torch.int32)
+    topk_length = torch.randint(1, topk + 1, (*lead, T), generator=g, dtype=torch.int32)
     q_positions = torch.randint(S // 2, S, (*lead, T), generator=g, dtype=torch.int32)
-    return q, kv, indices, topk_length, q_positions, torch.randn(H, generator=g)
+    sink = torch.randn(setup.H, generator=g)
+    dtype, device = getattr(torch, setup.dtype), setup.device_type
+    return (q.to(device, dtype), kv.to(device, dtype), indices.to(device),
+            topk_length.to(device), q_positions.to(device), sink.to(device))
 
 
-def _run(q, kv, indices, topk_length, q_positions, sink):
-    """out, lse, max_logits and the gradients of q, kv and the sink for a loss through out and lse."""
+def _attend(setup: Setup, with_max_logits: bool):
+    """``f(q, kv, indices, topk_length, q_positions, sink) -> (out, lse, max_logits or None,
+    loss)``: causal sparse_mla and a loss through out and lse; only the loss carries a gradient
+    (a compiled function's other outputs must not: no tangent would reach them)."""
+
+    def f(q, kv, indices, topk_length, q_positions, sink):
+        out, lse, *max_logits = sparse_mla(
+            q, kv, indices, d_v=setup.d_v, topk_length=topk_length, causal=True,
+            q_positions=q_positions, attn_sink=sink, return_lse=True,
+            return_max_logits=with_max_logits,
+        )
+        loss = out.square().sum() + (0.5 * lse).sum()
+        return out.detach(), lse.detach(), (max_logits or [None])[0], loss
+
+    return f
+
+
+def _run(f, q, kv, indices, topk_length, q_positions, sink):
+    """``f``'s (:func:`_attend`) out, lse, max_logits and the gradients of q, kv and the sink."""
     q, kv, sink = (t.detach().requires_grad_() for t in (q, kv, sink))
-    out, lse, max_logits = sparse_mla(
-        q, kv, indices, d_v=D_V, topk_length=topk_length, causal=True, q_positions=q_positions,
-        attn_sink=sink, return_lse=True, return_max_logits=True,
-    )
-    (out.square().sum() + (0.5 * lse).sum()).backward()
+    out, lse, max_logits, loss = f(q, kv, indices, topk_length, q_positions, sink)
+    loss.backward()
     return out, lse, max_logits, q.grad, kv.grad, sink.grad
 
 
-def _check_placement(mesh, name: str) -> None:
+def _dkv_parts(setup: Setup, f, full, q_placement, ranks: int):
+    """The dkv of each rank's share of the work, computed by one process (flat layout): the
+    rank's heads (q ``Shard(1)``), its tokens with their global causal positions (q
+    ``Shard(0)``), or the whole problem (q gathered: each rank computes every term)."""
+    from torch.distributed.tensor import Shard
+
+    q, kv, indices, topk_length, q_positions, sink = full
+
+    def rows(n):
+        return [slice(int(c[0]), int(c[-1]) + 1) for c in torch.arange(n).chunk(ranks)]
+
+    if q_placement == Shard(1):
+        shares = [(q[:, h], kv, indices, topk_length, q_positions, sink[h]) for h in rows(setup.H)]
+    elif q_placement == Shard(0):
+        if q_positions is None:  # the default: S - T + t
+            q_positions = torch.arange(setup.S - setup.T, setup.S, device=q.device,
+                                       dtype=torch.int32)
+        shares = [(q[t], kv, indices[t], None if topk_length is None else topk_length[t],
+                   q_positions[t], sink) for t in rows(setup.T)]
+    else:
+        shares = [full]
+    return [_run(f, *share)[4] for share in shares]
+
+
+def _assert_dkv(got, expected, parts, msg: str) -> None:
+    """dkv on the GPUs: ``got = bf16(sum_r bf16(A_r))`` (each rank's fp32 atomics ``A_r`` rounded
+    to kv's dtype, then summed over the ranks by the collective), ``expected = bf16(sum_r A_r)``
+    up to the atomics' order. With u = 2**-8 (bf16's unit roundoff) the three roundings bound the
+    difference by ``3u (1 + u) sum_r |A_r|`` <= ``4u sum_r |parts_r|`` (``parts``: each rank's
+    share computed on one GPU, :func:`_dkv_parts`); the atomics' order adds at most
+    ``n 2**-24 sum |terms|`` for an element's n (about 100 here) fp32 additions, below
+    ``2**-16 max |expected|`` for these inputs."""
+    bound = 4 * BF16_UNIT_ROUNDOFF * sum(p.float().abs() for p in parts)
+    bound += 2.0**-16 * expected.float().abs().max()
+    err = (got.float() - expected.float()).abs()
+    bad = err > bound
+    assert not bad.any(), (f"{msg}: {int(bad.sum())} of {bad.numel()} elements past the bound, "
+                           f"the worst {float((err - bound).max()):.3g} over it")
+
+
+def _assert_d_sink(setup: Setup, got, expected, single, sink, msg: str) -> None:
+    """d_sink on the GPUs: ``-sum_t exp(sink - lse) (dpsum - dlse)`` in float32 from the
+    kernel's per-row dpsum (bitwise the same per row, see the module docstring) summed over the
+    T tokens in another order (one sum, or a sum per rank and then over the ranks): at most
+    ``2 T 2**-24 sum_t |term_t|``. Here ``dout = 2 out`` and ``dlse = 0.5`` (the loss), so
+    ``|dpsum - dlse| <= 2 sum_d out^2 + 0.5`` (out + o_lo ~ out), taken twice for margin."""
+    out, lse = single[0].double(), single[1].double()
+    terms = (sink.double()[None, :] - lse).exp() * (2 * out.square().sum(-1) + 0.5)
+    bound = 4 * setup.T * FP32_UNIT_ROUNDOFF * terms.sum(0)
+    err = (got.double() - expected.double()).abs()
+    assert bool((err <= bound).all()), f"{msg}: {err.tolist()} past {bound.tolist()}"
+
+
+def _same(setup: Setup, got, expected, msg: str) -> None:
+    """float32's tolerance on gloo, bitwise on the GPUs (module docstring)."""
+    if setup.backend == "reference":
+        torch.testing.assert_close(got, expected, msg=lambda m: f"{msg}: {m}")
+    else:
+        worst = float((got.float() - expected.float()).abs().max())
+        assert torch.equal(got, expected), f"{msg}: not bitwise equal, largest difference {worst:.3g}"
+
+
+def _assert_results(setup: Setup, name: str, got, expected, parts, sink) -> None:
+    """``got`` (DTensors, :func:`_run`'s order) against the single-process ``expected``
+    (:func:`_same`; on the GPUs dkv and d_sink within their bounds)."""
+    gpu = setup.backend != "reference"
+    for what, a, b in zip(OUTPUTS, got, expected):
+        if b is None:
+            continue
+        a, msg = a.full_tensor(), f"{name} {what}"
+        if gpu and what == "dkv":
+            _assert_dkv(a, b, parts, msg)
+        elif gpu and what == "d_sink":
+            _assert_d_sink(setup, a, b, expected, sink, msg)
+        else:
+            _same(setup, a, b, msg)
+
+
+def _check_placement(mesh, setup: Setup, name: str) -> None:
     """Placement ``name`` (see PLACEMENTS) against the single-process result: every output equal
     to it, and every gradient in its input's placement."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -78,29 +226,31 @@ def _check_placement(mesh, name: str) -> None:
         "tokens_uneven": ((Shard(0), R, Shard(0), Shard(0), Shard(0), R), False),
     }
     placements, batched = cases[name]
-    full = list(_inputs(batched))
+    full = list(_inputs(setup, batched and setup.batched))
     if name == "tokens_uneven":  # T = 7 tokens: shards of 4 and 3 (2, 2, 2, 1 on 4 ranks)
         full = [t if i in (1, 5) else t[:7] for i, t in enumerate(full)]
     if placements[4] is None:
         full[4] = None
-    expected = _run(*full)
+    f = _attend(setup, with_max_logits=True)
+    expected = _run(f, *full)
+    parts = (None if setup.backend == "reference"
+             else _dkv_parts(setup, f, full, placements[0], mesh.size()))
     shards = [None if t is None else distribute_tensor(t, mesh, [p])
               for t, p in zip(full, placements)]
-    got = _run(*shards)
-    for what, a, b in zip(("out", "lse", "max_logits", "dq", "dkv", "d_sink"), got, expected):
-        torch.testing.assert_close(a.full_tensor(), b, msg=lambda m: f"{name} {what}: {m}")
+    got = _run(f, *shards)
+    _assert_results(setup, name, got, expected, parts, full[5])
     for what, grad, placement in (("dq", got[3], placements[0]), ("dkv", got[4], placements[1]),
                                   ("d_sink", got[5], placements[5])):
         assert grad.placements == (placement,), f"{name} {what}: {grad.placements}"
 
 
-def _check_indexer_target(mesh) -> None:
+def _check_indexer_target(mesh, setup: Setup) -> None:
     """indexer_target with its inputs sharded on tokens, and with q and lse sharded on heads
     (gathered: the target normalises over heads), equal to the single-process target."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    q, kv, indices, topk_length, q_positions, sink = _inputs(False)
-    _, lse = sparse_mla(q, kv, indices, d_v=D_V, topk_length=topk_length, causal=True,
+    q, kv, indices, topk_length, q_positions, sink = _inputs(setup, False)
+    _, lse = sparse_mla(q, kv, indices, d_v=setup.d_v, topk_length=topk_length, causal=True,
                         q_positions=q_positions, attn_sink=sink, return_lse=True)
     expected = indexer_target(q, kv, indices, lse, topk_length=topk_length, causal=True,
                               q_positions=q_positions, attn_sink=sink)
@@ -112,10 +262,10 @@ def _check_indexer_target(mesh) -> None:
         got = indexer_target(*args, topk_length=distribute_tensor(topk_length, mesh, [token]),
                              causal=True, q_positions=distribute_tensor(q_positions, mesh, [token]),
                              attn_sink=distribute_tensor(sink, mesh, [sink_p]))
-        torch.testing.assert_close(got.full_tensor(), expected, msg=lambda m: f"{name}: {m}")
+        _same(setup, got.full_tensor(), expected, name)
 
 
-def _check_mesh_2d(mesh) -> None:
+def _check_mesh_2d(mesh, setup: Setup) -> None:
     """A 2 x 2 mesh, context parallel x tensor parallel: q sharded on tokens and on heads, the
     per-token tensors on tokens, the sink on heads, kv replicated; values and gradients equal to
     the single-process ones."""
@@ -123,115 +273,80 @@ def _check_mesh_2d(mesh) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     R = Replicate()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
-    full = _inputs(batched=False)
-    expected = _run(*full)
+    mesh = init_device_mesh(setup.device_type, (2, 2), mesh_dim_names=("cp", "tp"))
+    full = _inputs(setup, batched=False)
+    f = _attend(setup, with_max_logits=True)
+    expected = _run(f, *full)
     placements = ((Shard(0), Shard(1)), (R, R), (Shard(0), R), (Shard(0), R), (Shard(0), R),
                   (R, Shard(0)))
-    got = _run(*[distribute_tensor(t, mesh, p) for t, p in zip(full, placements)])
-    for what, a, b in zip(("out", "lse", "max_logits", "dq", "dkv", "d_sink"), got, expected):
-        torch.testing.assert_close(a.full_tensor(), b, msg=lambda m: f"2-D mesh {what}: {m}")
+    got = _run(f, *[distribute_tensor(t, mesh, p) for t, p in zip(full, placements)])
+    _assert_results(setup, "2-D mesh", got, expected, None, full[5])
 
 
-class Attention(nn.Module):
-    """A DSA attention layer: q and the latent kv projected from x, a learnable sink, causal."""
-
-    def __init__(self):
-        super().__init__()
-        self.wq = nn.Linear(DIM, H * D_QK, bias=False)
-        self.wkv = nn.Linear(DIM, D_QK, bias=False)
-        self.wo = nn.Linear(H * D_V, DIM, bias=False)
-        self.sink = nn.Parameter(torch.randn(H))
-
-    def forward(self, x, indices):  # x [B, T, DIM], indices [B, T, TOPK]
-        q = self.wq(x).view(*x.shape[:-1], -1, D_QK)  # -1: the local heads on plain tensors
-        out = sparse_mla(q, self.wkv(x), indices, d_v=D_V, causal=True, attn_sink=self.sink)
-        return self.wo(out.flatten(-2))
+def _widths(setup: Setup) -> Widths:
+    """The trained model's widths: ``setup``'s heads and attention widths, ``dim`` wide."""
+    return Widths(dim=setup.dim, heads=setup.H, d_qk=setup.d_qk, d_v=setup.d_v,
+                  dtype=setup.dtype)
 
 
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList([Attention(), Attention()])
-
-    def forward(self, x, indices):
-        for layer in self.layers:
-            x = x + layer(x, indices)
-        return x
-
-
-def _batch():
+def _batch(setup: Setup):
+    """``x [batch, T, dim]`` float32 and ``indices [batch, T, topk]`` int32 (-1 and future keys
+    among them), seeded, on ``setup``'s device."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(BATCH, T, DIM, generator=g)
-    return x, torch.randint(-1, T, (BATCH, T, TOPK), generator=g, dtype=torch.int32)
+    x = torch.randn(setup.batch, setup.T, setup.dim, generator=g)
+    indices = torch.randint(-1, setup.T, (setup.batch, setup.T, setup.topk), generator=g,
+                            dtype=torch.int32)
+    return x.to(setup.device_type), indices.to(setup.device_type)
 
 
-def _train(model, x, indices, reduce=None) -> torch.Tensor:
-    """The float32 losses of 3 SGD steps on ``mean(model(x)^2)``; ``reduce`` turns the local loss
-    into the global one."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, foreach=False)
-    losses = []
-    for _ in range(3):
-        loss = model(x, indices).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append((reduce(loss) if reduce else loss).detach())
-    return torch.stack(losses)
+def _assert_losses(setup: Setup, got, expected) -> None:
+    """3 SGD steps' losses: float32's tolerance on gloo. On the GPUs the runs differ only by
+    roundings: a split float32 matmul can round an element of q or kv to the other neighbouring
+    bf16 value, and dkv is rounded to bf16 per rank before the sum. Each moves the values it
+    touches by at most u = 2**-8 relative, and those are only part of what the loss sums (the
+    residual x is never rounded), and a gradient changed so moves the next step's parameters by
+    lr times that change: so the losses agree to within u relative."""
+    if setup.backend == "reference":
+        torch.testing.assert_close(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=BF16_UNIT_ROUNDOFF, atol=0)
 
 
-def _check_tp_training(mesh) -> None:
-    """Tensor parallel over heads: q column-parallel (a DTensor sharded on heads), the latent kv
-    and the indices replicated DTensors, the sink sharded with the heads, wo row-parallel."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        PrepareModuleOutput,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    x, indices = _batch()
-    expected = _train(Model(), x, indices)
-    model = parallelize_module(Model(), mesh, {
-        "layers.*": PrepareModuleInput(input_layouts=(None, Replicate()),
-                                       desired_input_layouts=(None, Replicate()),
-                                       use_local_output=False),
-        "layers.*.wq": ColwiseParallel(use_local_output=False),
-        "layers.*.wkv": PrepareModuleOutput(output_layouts=Replicate(),
-                                            desired_output_layouts=Replicate(),
-                                            use_local_output=False),
-        "layers.*.wo": RowwiseParallel(),
-    })
-    for layer in model.layers:
-        layer.sink = nn.Parameter(distribute_tensor(layer.sink.data, mesh, [Shard(0)]))
-    torch.testing.assert_close(_train(model, x, indices), expected)
+def _check_tp_training(mesh, setup: Setup) -> None:
+    """Tensor parallel over heads (:func:`parallelize_heads`): q column-parallel (a DTensor
+    sharded on heads), the latent kv and the indices replicated DTensors, the sink sharded with
+    the heads, wo row-parallel."""
+    x, indices = _batch(setup)
+    w, device = _widths(setup), setup.device_type
+    expected = train(Model(w).to(device), [(x, indices)] * 3, lr=0.5)
+    got = train(parallelize_heads(Model(w).to(device), mesh), [(x, indices)] * 3, lr=0.5)
+    _assert_losses(setup, got, expected)
 
 
-def _check_fsdp2_training(mesh) -> None:
+def _check_fsdp2_training(mesh, setup: Setup) -> None:
     """FSDP2 over the whole model, the batch split over the ranks: the op sees plain tensors."""
     from torch.distributed.fsdp import fully_shard
 
-    x, indices = _batch()
-    expected = _train(Model(), x, indices)
-    model = Model()
+    x, indices = _batch(setup)
+    w, device = _widths(setup), setup.device_type
+    expected = train(Model(w).to(device), [(x, indices)] * 3, lr=0.5)
+    model = Model(w).to(device)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     rank, n = dist.get_rank(), dist.get_world_size()
-    local = slice(rank * BATCH // n, (rank + 1) * BATCH // n)
+    local = slice(rank * setup.batch // n, (rank + 1) * setup.batch // n)
 
     def mean_over_ranks(loss):
         loss = loss.detach().clone()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         return loss
 
-    torch.testing.assert_close(_train(model, x[local], indices[local], mean_over_ranks), expected)
+    _assert_losses(setup, train(model, [(x[local], indices[local])] * 3, lr=0.5,
+                                reduce=mean_over_ranks), expected)
 
 
-def _check_compile(mesh) -> None:
+def _check_compile(mesh, setup: Setup) -> None:
     """The context-parallel call (q, indices sharded on tokens, kv all-gathered, causal default
     positions) and the tensor-parallel one (a replicated sink sliced to the heads) under
     torch.compile(fullgraph=True): no graph break, values and gradients equal to the eager
@@ -241,72 +356,76 @@ def _check_compile(mesh) -> None:
     # torch 2.13 keys the AOTAutograd cache of a DTensor graph without the rank, so a rank can load
     # another rank's graph, with that rank's slice of a replicated input baked in (pytorch/pytorch
     # issue 188390): the README's workaround.
-    torch._functorch.config.enable_autograd_cache = False
+    from torch._functorch import config as functorch_config
 
-    def f(q, kv, indices, sink):
-        out, lse = sparse_mla(q, kv, indices, d_v=D_V, causal=True, attn_sink=sink,
-                              return_lse=True)
-        return out.detach(), out.square().sum() + lse.sum()
+    functorch_config.enable_autograd_cache = False
 
+    f = _attend(setup, with_max_logits=False)
     compiled = torch.compile(f, fullgraph=True)
-    q, kv, indices, _, _, sink = _inputs(batched=False)
-    leaves = [t.clone().requires_grad_() for t in (q, kv, sink)]
-    out, loss = f(leaves[0], leaves[1], indices, leaves[2])
-    loss.backward()
+    q, kv, indices, _, _, sink = _inputs(setup, batched=False)
+    full = (q, kv, indices, None, None, sink)
+    expected = _run(f, *full)
     R = Replicate()
-    for placements in ((Shard(0), Shard(0), Shard(0), R), (Shard(1), R, R, R)):
-        args = [distribute_tensor(t, mesh, [p]) for t, p in zip((q, kv, indices, sink), placements)]
-        for i in (0, 1, 3):
-            args[i].requires_grad_()
-        got, loss_d = compiled(*args)
-        loss_d.backward()
-        torch.testing.assert_close(got.full_tensor(), out)
-        for a, ref in zip((args[0], args[1], args[3]), leaves):
-            torch.testing.assert_close(a.grad.full_tensor(), ref.grad)
+    for name, placements in (("tokens", (Shard(0), Shard(0), Shard(0), R)),
+                             ("heads", (Shard(1), R, R, R))):
+        parts = (None if setup.backend == "reference"
+                 else _dkv_parts(setup, f, full, placements[0], mesh.size()))
+        q_d, kv_d, indices_d, sink_d = (distribute_tensor(t, mesh, [p])
+                                        for t, p in zip((q, kv, indices, sink), placements))
+        got = _run(compiled, q_d, kv_d, indices_d, None, None, sink_d)
+        _assert_results(setup, f"compiled {name}", got, expected, parts, sink)
 
 
-def _worker(rank: int, world_size: int, port: int, folder: str, checks: tuple) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
-    mesh = init_device_mesh("cpu", (world_size,))
+def _run_checks(mesh, device, setup: Setup, checks: tuple) -> dict:
+    """One rank's part (:func:`mla_inductor.bench.ranks.spawn` runs it on every rank): every
+    check on ``setup``'s backend; returns ``{check: None or the traceback of its error}``."""
+    os.environ[backends.ENV_VAR] = setup.backend
     results = {}
     for name in checks:
         try:
             if name in PLACEMENTS:
-                _check_placement(mesh, name)
+                _check_placement(mesh, setup, name)
             else:
-                globals()[f"_check_{name}"](mesh)
+                globals()[f"_check_{name}"](mesh, setup)
             results[name] = None
         except Exception:  # recorded for the test of that check
             results[name] = traceback.format_exc()
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _spawn(setup: Setup, ranks: int, checks: tuple) -> list[dict]:
+    return spawn(_run_checks, ranks, setup.device_type, (setup, checks),
+                 timeout_s=setup.timeout_s)
 
 
-def _spawn(world_size: int, folder, checks: tuple) -> list[dict]:
-    mp.spawn(_worker, args=(world_size, _free_port(), str(folder), checks), nprocs=world_size)
-    return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world_size)]
+def _two_sm90_gpus() -> tuple[bool, str]:
+    """Whether 2 CUDA GPUs of capability (9, 0) are visible and the sm90 kernels run, and why
+    not."""
+    if not torch.cuda.is_available():
+        return False, "needs 2 CUDA GPUs of capability (9, 0): no CUDA device"
+    caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    if sum(cap == (9, 0) for cap in caps) < 2:
+        return False, f"needs 2 CUDA GPUs of capability (9, 0), found {caps}"
+    ok, why = kernel_available("sm90")
+    return ok, why
+
+
+TWO_SM90_GPUS = _two_sm90_gpus()
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return _spawn(2, tmp_path_factory.mktemp("two"), (*CHECKS, "compile"))
+def two_ranks():
+    return _spawn(GLOO, 2, (*CHECKS, "compile"))
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return _spawn(4, tmp_path_factory.mktemp("four"), (*CHECKS, "mesh_2d"))
+def four_ranks():
+    return _spawn(GLOO, 4, (*CHECKS, "mesh_2d"))
+
+
+@pytest.fixture(scope="module")
+def two_gpus():
+    return _spawn(NCCL, 2, GPU_CHECKS)
 
 
 def _assert_passed(results: list[dict], name: str) -> None:
@@ -322,6 +441,13 @@ def test_two_ranks(two_ranks, name):
 @pytest.mark.parametrize("name", (*CHECKS, "mesh_2d"))
 def test_four_ranks(four_ranks, name):
     _assert_passed(four_ranks, name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not TWO_SM90_GPUS[0], reason=TWO_SM90_GPUS[1])
+@pytest.mark.parametrize("name", GPU_CHECKS)
+def test_two_gpus(two_gpus, name):
+    _assert_passed(two_gpus, name)
 
 
 def test_the_package_imports_without_torch_distributed():

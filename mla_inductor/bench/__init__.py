@@ -8,14 +8,15 @@
     python -m mla_inductor.bench hf    [--T 4096 16384] [--topk 2048] [--warmup N] [--iters N]
         [--tiny]
     python -m mla_inductor.bench dist  [--ranks 2] [--T 16384 65536] [--topk 2048]
-        [--device cuda|cpu] [--warmup N] [--iters N] [--tiny]
+        [--device cuda|cpu] [--warmup N] [--iters N] [--tiny] [--train STEPS] [--lr LR]
 
 ``--help`` works at every level. Modules: :mod:`.cli` (the command), one module per subcommand
 (:mod:`.fwd`, :mod:`.bwd`, :mod:`.train`, :mod:`.indexer`, :mod:`.hf`, :mod:`.dist`: each
 ``add_arguments(parser)`` and ``run(args)``; ``hf`` times a transformers DeepSeek-V3.2 layer
-unpatched and patched, ``dist`` one layer tensor and context parallel over spawned ranks),
-:mod:`.timing` (the timers and protocols every table uses) and :mod:`.problems` (widths, index
-patterns, shape flags, the SM90 check).
+unpatched and patched, ``dist`` one layer tensor and context parallel over spawned ranks, with
+``--train`` a small model trained so, :mod:`.dist_train`), :mod:`.ranks` (spawned process
+groups), :mod:`.timing` (the timers and protocols every table uses) and :mod:`.problems` (widths,
+index patterns, shape flags, the SM90 check).
 
 A tool on top of the op, like :mod:`mla_inductor.demo` and :mod:`mla_inductor.numerics`: it
 imports the package; nothing in the package imports it.

@@ -32,46 +32,50 @@ all-gather or a reduce-scatter, ``2 (n - 1) / n`` for an all-reduce); ``speedup 
 single's ms over the mode's; ``rel-L2 vs single``, the largest ``||x - ref|| / ||ref||`` of out,
 dq and dkv of that step gathered to full tensors (``DTensor.full_tensor``) against single's.
 
-Launch: the command spawns ``--ranks`` processes itself (``torch.multiprocessing.spawn``, a free
-local port, ``init_process_group`` with NCCL and one GPU per rank on CUDA, gloo on the CPU) and
-prints the table from rank 0's results; it is not meant to run under ``torchrun`` and says so.
-``--tiny``: H 8, d_qk 80, d_v 64, topk 16, T 64 128, float32 (on the CPU by default: a smoke
-run in seconds, ``tests/test_bench.py`` runs it on 2 ranks).
+``--train STEPS`` prints another table instead: a small DSA model (``Config.dim`` wide, two
+layers of this layer's heads and widths) trained ``STEPS`` SGD steps at each T (default 4096,
+with ``--tiny`` 64) in the same three modes, each step's loss and the largest relative difference
+from single's (:mod:`mla_inductor.bench.dist_train`).
+
+Launch: the command spawns ``--ranks`` processes itself (:func:`mla_inductor.bench.ranks.spawn`:
+a free local port, NCCL and one GPU per rank on CUDA, gloo on the CPU) and prints the table from
+rank 0's results; it is not meant to run under ``torchrun`` and says so. ``--tiny``: H 8, d_qk
+80, d_v 64, topk 16, T 64 128, float32, with ``--train`` a model of width 32 (on the CPU by
+default: a smoke run in seconds, ``tests/test_bench.py`` runs both on 2 ranks).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
-import socket
-import tempfile
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..api import sparse_mla
+from .dist_train import MODES, Widths, train_dist
 from .problems import D_QK, D_V, make_indices, require_sm90
+from .ranks import device_name, spawn
 from .timing import time_ms_calls
-
-MODES = ("single", "tp", "cp")
 
 
 class Config(NamedTuple):
-    """The layer's widths and element type (``dtype`` a ``torch`` dtype's name)."""
+    """The layer's widths and element type (``dtype`` a ``torch`` dtype's name), and the width
+    ``dim`` of ``--train``'s model."""
 
     H: int
     d_qk: int
     d_v: int
     topk: int
     dtype: str
+    dim: int
 
 
-REAL = Config(H=128, d_qk=D_QK, d_v=D_V, topk=2048, dtype="bfloat16")
-TINY = Config(H=8, d_qk=80, d_v=64, topk=16, dtype="float32")
+REAL = Config(H=128, d_qk=D_QK, d_v=D_V, topk=2048, dtype="bfloat16", dim=256)
+TINY = Config(H=8, d_qk=80, d_v=64, topk=16, dtype="float32", dim=32)
 
 
 def make_problem(cfg: Config, T: int, device: torch.device) -> dict:
@@ -210,37 +214,12 @@ def _bench_T(cfg: Config, T: int, mesh, device: torch.device, warmup: int, iters
     return rows if rank == 0 else []
 
 
-def _worker(rank: int, ranks: int, port: int, device_type: str, cfg: Config, Ts: list,
-            warmup: int, iters: int, result_path: str) -> None:
-    """One rank: joins the group (NCCL on ``cuda:<rank>``, gloo on the CPU), runs every T and,
-    on rank 0, writes ``{"device": ..., "rows": [...]}`` as JSON to ``result_path``."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if device_type == "cuda":
-        device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", rank=rank, world_size=ranks, device_id=device)
-        where = torch.cuda.get_device_name(device)
-    else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
-        dist.init_process_group("gloo", rank=rank, world_size=ranks)
-        where = "CPU"
-    try:
-        mesh = init_device_mesh(device_type, (ranks,))
-        rows = [row for T in Ts for row in _bench_T(cfg, T, mesh, device, warmup, iters)]
-        if rank == 0:
-            with open(result_path, "w") as f:
-                json.dump(dict(device=where, rows=rows), f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _bench_ranks(mesh, device: torch.device, cfg: Config, Ts: list, warmup: int,
+                 iters: int) -> Optional[dict]:
+    """One rank's part (:func:`mla_inductor.bench.ranks.spawn` runs it on every rank): every T;
+    rank 0 returns ``{"device": ..., "rows": [...]}``, the others None."""
+    rows = [row for T in Ts for row in _bench_T(cfg, T, mesh, device, warmup, iters)]
+    return dict(device=device_name(device), rows=rows) if dist.get_rank() == 0 else None
 
 
 def bench_dist(Ts, ranks: int, cfg: Config, device_type: str, warmup: int = 2,
@@ -248,14 +227,7 @@ def bench_dist(Ts, ranks: int, cfg: Config, device_type: str, warmup: int = 2,
     """Spawns ``ranks`` processes, prints the table (module docstring) for token counts ``Ts``
     and returns its rows: dicts with ``T``, ``mode``, ``ms``, ``peak_gib``, ``counts``,
     ``nbytes`` and ``rel_l2`` (None for single)."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "rank0.json")
-        mp.spawn(_worker, args=(ranks, _free_port(), device_type, cfg, list(Ts), warmup, iters,
-                                path), nprocs=ranks)
-        with open(path) as f:
-            found = json.load(f)
+    found = spawn(_bench_ranks, ranks, device_type, (cfg, list(Ts), warmup, iters))[0]
     backend = "NCCL" if device_type == "cuda" else "gloo"
     print(f"# One DSA attention layer (sparse_mla, causal), forward + backward, DTensor over "
           f"{ranks} ranks ({backend}), {datetime.date.today()}, {found['device']}, torch "
@@ -281,11 +253,12 @@ def bench_dist(Ts, ranks: int, cfg: Config, device_type: str, warmup: int = 2,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``dist`` subcommand's flags: ``--ranks``, ``--T``, ``--topk``, ``--device``,
-    ``--warmup``, ``--iters``, ``--tiny``."""
+    ``--warmup``, ``--iters``, ``--tiny``, ``--train``, ``--lr``."""
     parser.add_argument("--ranks", type=int, default=2,
                         help="processes to spawn (one GPU each on CUDA); default: 2")
     parser.add_argument("--T", type=int, nargs="+", default=None,
-                        help="token counts T (S = T); default: 16384 65536 (with --tiny: 64 128)")
+                        help="token counts T (S = T); default: 16384 65536 (with --tiny: 64 "
+                             "128); with --train: 4096 (with --tiny: 64)")
     parser.add_argument("--topk", type=int, default=None,
                         help="slots per token; default: 2048 (with --tiny: 16)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
@@ -297,18 +270,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed steps per T and mode, the median reported; default: 5")
     parser.add_argument("--tiny", action="store_true",
                         help="H 8, d_qk 80, d_v 64, topk 16, float32: a smoke run in seconds")
+    parser.add_argument("--train", type=int, default=None, metavar="STEPS",
+                        help="train a 2-layer DSA model STEPS SGD steps per T in each mode and "
+                             "print the losses instead of the layer table")
+    parser.add_argument("--lr", type=float, default=0.5,
+                        help="the SGD learning rate of --train; default: 0.5")
 
 
 def run(args: argparse.Namespace) -> list:
-    """Runs the subcommand for parsed flags (:func:`add_arguments`); returns the table's rows.
-    Exits with a message under ``torchrun`` (this command spawns its own ranks), for fewer than
-    one rank, and on CUDA when the sm90 kernels cannot run here (unless ``--tiny``) or there are
-    fewer GPUs than ranks."""
+    """Runs the subcommand for parsed flags (:func:`add_arguments`); returns the table's rows, or
+    with ``--train`` a ``{mode: [loss per step]}`` per T. Exits with a message under ``torchrun``
+    (this command spawns its own ranks), for fewer than one rank or ``--train`` steps, and on
+    CUDA when the sm90 kernels cannot run here (unless ``--tiny``) or there are fewer GPUs than
+    ranks."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         raise SystemExit("mla_inductor: bench dist spawns its own ranks (--ranks); run it with "
                          "python -m, not under torchrun")
     if args.ranks < 1:
         raise SystemExit(f"mla_inductor: bench dist needs --ranks >= 1, got {args.ranks}")
+    if args.train is not None and args.train < 1:
+        raise SystemExit(f"mla_inductor: bench dist needs --train >= 1, got {args.train}")
     device_type = args.device or ("cpu" if args.tiny else "cuda")
     if device_type == "cuda":
         if not args.tiny:
@@ -319,5 +300,9 @@ def run(args: argparse.Namespace) -> list:
     cfg = TINY if args.tiny else REAL
     if args.topk is not None:
         cfg = cfg._replace(topk=args.topk)
+    if args.train is not None:
+        widths = Widths(dim=cfg.dim, heads=cfg.H, d_qk=cfg.d_qk, d_v=cfg.d_v, dtype=cfg.dtype)
+        return [train_dist(widths, T, cfg.topk, args.train, args.ranks, device_type, args.lr)
+                for T in args.T or ([64] if args.tiny else [4096])]
     return bench_dist(args.T or ([64, 128] if args.tiny else [16384, 65536]), args.ranks, cfg,
                       device_type, warmup=args.warmup, iters=args.iters)
