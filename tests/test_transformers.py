@@ -168,6 +168,17 @@ def test_greedy_generation_with_cache(name, cache, chunked, monkeypatch):
     assert calls == [40, 40] + [1, 1] * 7  # prefill, then one token per layer and step
 
 
+def _layer_kwargs(model: nn.Module, x: torch.Tensor) -> dict:
+    """What a decoder layer of ``model`` takes besides hidden states ``x [B, T, hidden_size]``:
+    positions 0..T-1, the model's RoPE of them and the additive causal mask ``[B, 1, T, T]``."""
+    B, T = x.shape[:2]
+    pos = torch.arange(T)[None]
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    mask = torch.zeros(B, 1, T, T).masked_fill(future, torch.finfo(torch.float32).min)
+    return dict(attention_mask=mask, position_ids=pos,
+                position_embeddings=model.model.rotary_emb(x, pos))
+
+
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
 def test_decoder_layer_compiles_fullgraph(name):
     """A switched decoder layer under torch.compile(fullgraph=True) (a graph break raises), forward
@@ -177,13 +188,10 @@ def test_decoder_layer_compiles_fullgraph(name):
     layer = model.model.layers[0]
     B, T = 2, 64
     x = torch.randn(B, T, model.config.hidden_size, requires_grad=True)
-    pos = torch.arange(T)[None]
-    rope = model.model.rotary_emb(x, pos)
-    future = torch.ones(T, T, dtype=torch.bool).triu(1)
-    mask = torch.zeros(B, 1, T, T).masked_fill(future, torch.finfo(torch.float32).min)
+    kwargs = _layer_kwargs(model, x)
 
     def run(fn):
-        out = fn(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+        out = fn(x, **kwargs)
         out = out[0] if isinstance(out, tuple) else out  # GLM's layer also returns its top-k
         params = [x, *layer.parameters()]
         return [out, *torch.autograd.grad(out.square().sum(), params, allow_unused=True)]

@@ -31,7 +31,7 @@ from mla_inductor.integrations import transformers as hf
 from mla_inductor.integrations import transformers_indexer_loss as loss_mod
 
 from conftest import rel_l2
-from test_transformers import TINY, _ids
+from test_transformers import TINY, _ids, _layer_kwargs
 
 MODELS = {
     "deepseek_v32": lambda **kw: DeepseekV32ForCausalLM(
@@ -338,13 +338,10 @@ def test_decoder_layer_compiles_fullgraph_with_the_loss(name):
     layer = model.model.layers[0]
     B, T = 2, 64
     x = torch.randn(B, T, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
-    pos = torch.arange(T)[None]
-    rope = model.model.rotary_emb(x, pos)
-    future = torch.ones(T, T, dtype=torch.bool).triu(1)
-    mask = torch.zeros(B, 1, T, T).masked_fill(future, torch.finfo(torch.float32).min)
+    kwargs = _layer_kwargs(model, x)
 
     def run(fn):
-        out = fn(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+        out = fn(x, **kwargs)
         out = out[0] if isinstance(out, tuple) else out  # GLM's layer also returns its top-k
         loss = hf.indexer_loss(model)
         return [out, loss, *torch.autograd.grad(loss, list(layer.self_attn.indexer.parameters()))]
