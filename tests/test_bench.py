@@ -60,8 +60,11 @@ def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU this would run the benchmark")
 @pytest.mark.parametrize("what", list(cli.SUBCOMMANDS))
 def test_cli_exits_with_reason_without_sm90(what):
-    with pytest.raises(SystemExit, match="not available here: sm90: no CUDA device"):
+    with pytest.raises(SystemExit, match="not available here: sm90: no CUDA device") as exited:
         cli.main([what, "--T", "128"])
+    # the subcommands with a CPU smoke test say so
+    assert ("--tiny runs a small smoke test on the CPU" in str(exited.value)) == (
+        what in ("hf", "dist"))
 
 
 def test_the_command_imports_no_transformers():

@@ -17,8 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     description the whole docstring, its flags the module's ``add_arguments``."""
     parser = argparse.ArgumentParser(
         prog="python -m mla_inductor.bench",
-        description="Benchmarks of the sparse-MLA kernels on the current GPU (SM90). Each "
-        "subcommand prints a markdown table; `<subcommand> --help` lists its flags.",
+        description="Benchmarks of the sparse-MLA kernels on the current GPU (SM90); hf and dist "
+        "also run a small smoke test on the CPU with --tiny. Each subcommand prints a markdown "
+        "table; `<subcommand> --help` lists its flags.",
     )
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(SUBCOMMANDS) + "}")

@@ -293,7 +293,7 @@ def run(args: argparse.Namespace) -> list:
     device_type = args.device or ("cpu" if args.tiny else "cuda")
     if device_type == "cuda":
         if not args.tiny:
-            require_sm90("kernels")
+            require_sm90("kernels", tiny=True)
         if torch.cuda.device_count() < args.ranks:
             raise SystemExit(f"mla_inductor: bench dist --ranks {args.ranks} needs as many GPUs, "
                              f"found {torch.cuda.device_count()}")

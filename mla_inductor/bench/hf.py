@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> None:
     """Runs the subcommand for parsed flags (:func:`add_arguments`). Exits with a message when the
     sm90 kernels cannot run here (unless ``--tiny``) or transformers is not installed."""
     if not args.tiny:
-        require_sm90("kernels")
+        require_sm90("kernels", tiny=True)
     try:
         import transformers  # noqa: F401
     except ImportError as e:

@@ -45,11 +45,13 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, kv_length: str = "2T
                         help=f"index patterns; default: {' '.join(patterns)}")
 
 
-def require_sm90(what: str) -> None:
+def require_sm90(what: str, tiny: bool = False) -> None:
     """Raises ``SystemExit("sm90 <what> not available here: <reason>")`` unless the SM90 kernels
-    can run on this machine."""
+    can run on this machine; with ``tiny`` (a subcommand that has ``--tiny``) the message adds
+    that ``--tiny`` runs a small smoke test on the CPU."""
     from mla_inductor.kernels import sm90
 
     ok, why = sm90.available()
     if not ok:
-        raise SystemExit(f"sm90 {what} not available here: {why}")
+        hint = "; --tiny runs a small smoke test on the CPU" if tiny else ""
+        raise SystemExit(f"sm90 {what} not available here: {why}{hint}")
