@@ -35,6 +35,13 @@ def require(cond, message: Callable[[], str]) -> None:
     of a fresh process's first step on our 2-core CPU machine when every check passes on concrete
     sizes. Symbolic conditions (under tracing, where that module is loaded already) and failures
     go through it.
+
+    Args:
+        cond: a Python ``bool`` or a ``SymBool``.
+        message: called only on failure; returns the error text.
+
+    Raises:
+        RuntimeError: ``message()`` when ``cond`` is false (``torch._check``'s error).
     """
     if cond is True:
         return
