@@ -146,6 +146,45 @@ def test_sink_view_with_a_partial_head_tile():
 # ----------------------------------------------------------------------------- through the public op
 
 
+@pytest.mark.parametrize("threshold", [0.0, 8.0])
+def test_persistent_grid_walks_many_tiles(monkeypatch, threshold):
+    """The forward walks tiles ``b, b + num_ctas, ...`` per CTA: with 1, 3 and 7 CTAs (the host
+    launches one per SM) every CTA computes many tiles, among them tiles without a valid slot
+    (topk_length 0) and the partial head tile of H = 80, with a sink, causal positions and
+    max_logits. The result must be bitwise the one-CTA-per-tile result, and that must match
+    fp64."""
+    T, H, S, topk = 40, 80, 512, 300
+    q, kv, indices, positions, sink = _case(T, H, S, topk, seed=11, peaked=threshold > 0)
+    topk_length = torch.randint(0, topk + 1, (T,), device="cuda", dtype=torch.int32)
+    topk_length[::5] = 0
+    sm_scale = D_QK**-0.5
+
+    def run():
+        return fwd.forward(q, kv, indices, topk_length, sm_scale, D_V, threshold, True,
+                           q_positions=positions, attn_sink=sink, return_max_logits=True)
+
+    monkeypatch.setattr(fwd, "_sm_count", lambda device: 2 * T)  # one CTA per tile
+    per_tile = run()
+    for ctas in (1, 3, 7):
+        monkeypatch.setattr(fwd, "_sm_count", lambda device, ctas=ctas: ctas)
+        for a, b in zip(per_tile, run()):
+            assert torch.equal(a, b), ctas
+
+    keep = torch.arange(topk, device="cuda")[None, :] < topk_length[:, None].long()
+    out, lse, _, max_logits = per_tile
+    out64, lse64, max64 = _reference(q.double(), kv.double(), torch.where(keep, indices, -1),
+                                     sm_scale, positions, sink.double())
+    assert rel_l2(out, out64) <= 1.5 * rel_l2(out64.to(q.dtype), out64)
+    assert (out[::5] == 0).all()  # topk_length 0: no valid slot
+    finite = torch.isfinite(lse64)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite].double() - lse64[finite]).abs().max().item() < 1e-3
+    has = torch.isfinite(max64)
+    assert torch.equal(torch.isfinite(max_logits), has)
+    assert (max_logits[has].double() - max64[has]).abs().max().item() < 1e-4 * (
+        1 + max64[has].abs().max().item())
+
+
 def _public_case(B, T, S, H, topk, seed):
     """Batched inputs with random indices (about half of them in each token's future, which
     causal masks), empty slots of every kind, a sink per head, and dout / dlse."""

@@ -13,10 +13,21 @@ their scores are set to -inf. A row without valid slots gets ``out = 0``, ``lse 
 
 Design (decisions, in the order they were taken)
 -------------------------------------------------
-* Tile: one CTA = one token x 64 heads (``H`` is padded to a multiple of 64 inside the kernel:
-  padded Q rows are zero-filled, padded output rows are never stored). Grid ``T * ceil(H/64)``
-  on ``x``, the head tiles of one token adjacent so that they share the gathered rows in L2.
-  64 heads is the wgmma M of one warpgroup and what every public Hopper sparse-MLA kernel uses.
+* Tile: one token x 64 heads (``H`` is padded to a multiple of 64 inside the kernel: padded Q
+  rows are zero-filled, padded output rows are never stored); tile ``i`` is token
+  ``i // ceil(H/64)``, so the head tiles of one token are adjacent and share the gathered rows
+  in L2. 64 heads is the wgmma M of one warpgroup and what every public Hopper sparse-MLA
+  kernel uses.
+* Persistent grid: ``num_ctas`` CTAs (the host launches one per SM, or one per tile when there
+  are fewer tiles); CTA ``b`` computes tiles ``b, b + num_ctas, ...``. The producer gathers
+  the next tile's Q as soon as both consumers' last ``Q K^T`` of the current tile is done (a
+  Q-empty barrier), and its first KV blocks as soon as the epilogue's stores are issued, so a
+  tile's epilogue and the next tile's loads overlap (with one CTA per tile, every CTA's
+  epilogue, exit, launch and first loads were serial). The stage barriers' phases run on over
+  the tiles (the pairs this CTA has done). Against one CTA per tile, H200, T 4096, H 128, topk
+  2048, S 2T (same run): the training forward 1.060 -> 1.026 of the old exact time, the exact
+  forward 1.021 -> 1.004 with the epilogue below, and at T = S = 131072 the exact forward 0.95
+  of the old one's time.
 * Keys: blocks of 64 gathered rows (full ``d_qk`` width), taken in PAIRS (A, B) walked from the
   LAST block to the FIRST: pair ``it`` is A = block ``2 n_pairs - 1 - 2 it``, B = the block
   before it, and the running max sees A's block before B's (as a sequential walk from the end
@@ -76,18 +87,24 @@ Design (decisions, in the order they were taken)
   rounded to it too (a residual of about 2**-9 of out, kept to about 2**-9 of itself: out + o_lo
   carries O to about 2**-17, and it costs half the bytes of an fp32 o_lo), ``lse = (m +
   log2(row_sum)) * ln 2`` (written by A, rows ``h < H``; -inf when the row sum is 0). out and
-  o_lo are staged together, row-major (rows padded by 16 bytes where both tiles still fit), in
-  the dead KV stages, then written by all 256 consumer threads as coalesced 16-byte stores of
-  whole rows ``h < H``. A sink joins the row sum there (``exp2(sink * log2(e) - m)``); the
-  producer gathers the tile's 64 sink logits into shared memory with Q (4-byte ``cp.async``,
-  published by Q's barrier), since a global load in the epilogue stalls every CTA on its latency
-  (H200, T 4096, H 128: the sink's cost over the plain call 1.3% -> 0.7%, medians of 21 pairs).
+  o_lo go from registers to global memory with no shared memory, so the KV stages are free for
+  the next tile's gathers at once: the four threads of a quad transpose their accumulator words
+  (two butterfly rounds, one shuffle per word) so that each holds 8 adjacent columns, written as one
+  16-byte store under an L2 evict_first policy. (Staging them in the dead KV stages, as before,
+  kept the stages until the stores were done; persistent, it was within 1% of these stores and
+  needs the stages held back.) A sink joins the row sum there (``exp2(sink * log2(e) - m)``);
+  the producer gathers the tile's 64 sink logits into shared memory with Q (4-byte
+  ``cp.async``, published by Q's barrier) and the consumers copy them to registers before
+  they free Q, since a global load in the epilogue stalls it on its latency (H200, T 4096,
+  H 128: the sink's cost over the plain call 1.3% -> 0.7%, medians of 21 pairs).
 * One compiled kernel serves every ``T``, ``H``, ``S`` and ``topk`` (all symbolic); the compile
-  key is (dtype, d_qk, d_v, threshold, o_lo, has topk_length). It is launched on torch's current
-  stream through TVM-FFI.
+  key is (dtype, d_qk, d_v, threshold, o_lo, has topk_length, causal, sink, max_logits). It is
+  launched on torch's current stream through TVM-FFI, with ``num_ctas`` from the host.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -102,7 +119,7 @@ from ..cache import KernelCache
 from . import SUPPORTED_DIMS
 from .common import (LN2, LOG2E, TORCH_TO_CUTE, contiguous_aligned, fake_inputs,
                      sw128_offset_bytes)
-from .ptx import cp_async_4, cp_async_16, cp_async_wait_all, create_policy
+from .ptx import cp_async_4, cp_async_16, cp_async_wait_all, create_policy, st_global_v4_b32
 
 TILE_H = 64  # heads per CTA (wgmma M)
 TILE_N = 64  # gathered keys per block
@@ -115,8 +132,8 @@ BAR_MAX_B = 2  # the pair's final running max published (B arrives, A waits)
 BAR_P_A = 3  # A's P (rescaled to the final max) in shared memory
 BAR_P_B = 4  # B's P in shared memory
 BAR_EPILOGUE = 5  # partial row sums exchanged
-BAR_STAGED = 6  # output tile staged in shared memory / staging free again
 MAX_INIT = -1.0e30  # finite "minus infinity" of the running max: exp2(MAX_INIT - x) is 0, never NaN
+SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on SM90 (227 KiB)
 
 
 class SparseMlaFwdSm90:
@@ -153,6 +170,9 @@ class SparseMlaFwdSm90:
         self.d_half = d_v // 2
         self.half_chunks = self.d_half // 64  # 64-column chunks of the left quarter (= V_L)
         self.n_p_tiles = 1 if self.p_in_rope else 2  # P tiles with their own shared memory
+        if self._smem_bytes() > SMEM_LIMIT:
+            raise ValueError(f"shared memory {self._smem_bytes()} B over the SM90 limit "
+                             f"{SMEM_LIMIT} B")
 
     def _layouts(self):
         atom = warpgroup.make_smem_layout_atom(
@@ -166,10 +186,13 @@ class SparseMlaFwdSm90:
     def _smem_bytes(self):
         e = self.dtype.width // 8
         n = TILE_H * self.d_qk * e + 2 * self.stage_elems * e + self.n_p_tiles * TILE_H * TILE_N * e
-        # sMa, sMb, sL (2 x 64 fp32), sValid (2 x 64 int32) and 9 mbarriers, each 16-byte
-        # aligned, plus slack
-        # + sMaxL (2 x 64 fp32) and, with a sink, sSink (64 fp32)
-        return (n + (7 if self.has_sink else 6) * TILE_H * 4 + 2 * TILE_N * 4 + 9 * 8 + 512)
+        # sMa, sMb (64 fp32 each), sL (2 x 64 fp32), sValid (2 x 64 int32), with the lazy max and
+        # max_logits sMaxL (2 x 64 fp32), with a sink sSink (2 x 64 fp32); 10 mbarriers; each
+        # allocation 16-byte aligned, plus slack
+        words = 4 * TILE_H + 2 * TILE_N
+        words += 2 * TILE_H if self.track_true_max else 0
+        words += TILE_H if self.has_sink else 0
+        return n + 4 * words + 10 * 8 + 512
 
     @cute.jit
     def __call__(
@@ -185,6 +208,7 @@ class SparseMlaFwdSm90:
         mSink: cute.Tensor | None,  # [H] fp32, attention sink logits (natural log)
         mMaxLogits: cute.Tensor | None,  # [T, H] fp32
         scale_log2: Float32,
+        num_ctas: Int32,  # CTAs launched (each walks tiles num_ctas apart)
         stream,
     ):
         sQ_layout, sKV_layout, sP_layout = self._layouts()
@@ -201,17 +225,29 @@ class SparseMlaFwdSm90:
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_H, self.d_half),
         )
-        n_head_tiles = (mQ.shape[1] + TILE_H - 1) // TILE_H
         self.kernel(
             mQ, mKV, mIdx, mTopkLen, mO, mLSE, mOlo, mQPos, mSink, mMaxLogits, scale_log2,
             sQ_layout, sKV_layout, sP_layout, tiled_mma_qk, tiled_mma_pv_rs, tiled_mma_pv_ss,
         ).launch(
-            grid=[mQ.shape[0] * n_head_tiles, 1, 1],
+            grid=[num_ctas, 1, 1],
             block=[NUM_THREADS, 1, 1],
             smem=self._smem_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    @cute.jit
+    def _tile(self, tile, n_head_tiles, mTopkLen, topk):
+        """Token, first head and pair count of ``tile`` (the head tiles of a token adjacent)."""
+        t = tile // n_head_tiles
+        h0 = (tile % n_head_tiles) * TILE_H
+        n_valid = topk
+        if const_expr(self.has_topk_length):
+            n_valid = cutlass.max(cutlass.min(mTopkLen[t], topk), Int32(0))
+        n_blocks = (n_valid + TILE_N - 1) // TILE_N
+        # blocks go in pairs (A, B) = (2 n_pairs - 1 - 2 it, 2 n_pairs - 2 - 2 it); with an odd
+        # block count the first A block lies past n_valid: all its slots are empty
+        return t, h0, n_valid, (n_blocks + 1) // 2
 
     @cute.kernel
     def kernel(
@@ -234,25 +270,20 @@ class SparseMlaFwdSm90:
         tiled_mma_pv_rs: cute.TiledMma,
         tiled_mma_pv_ss: cute.TiledMma,
     ):
-        """Device entry: one CTA per (token, 64-head tile); the design is the module docstring."""
+        """Device entry: each CTA walks the (token, 64-head tile) tiles ``bidx, bidx + grid,
+        ...``; the design is the module docstring."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
+        grid_x, _, _ = cute.arch.grid_dim()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = warp_idx // 4
 
         num_heads = mQ.shape[1]
         n_head_tiles = (num_heads + TILE_H - 1) // TILE_H
-        t = bidx // n_head_tiles
-        h0 = (bidx % n_head_tiles) * TILE_H
+        n_tiles = mQ.shape[0] * n_head_tiles
+        n_mine = (n_tiles - bidx + grid_x - 1) // grid_x  # tiles of this CTA
         seqlen_kv = mKV.shape[0]
         topk = mIdx.shape[1]
-        n_valid = topk
-        if const_expr(self.has_topk_length):
-            n_valid = cutlass.max(cutlass.min(mTopkLen[t], topk), Int32(0))
-        n_blocks = (n_valid + TILE_N - 1) // TILE_N
-        # blocks go in pairs (A, B) = (2 n_pairs - 1 - 2 it, 2 n_pairs - 2 - 2 it); with an odd
-        # block count the first A block lies past n_valid: all its slots are empty
-        n_pairs = (n_blocks + 1) // 2
 
         # ---- shared memory ----
         smem = cutlass.memory.SmemAllocator()
@@ -285,10 +316,13 @@ class SparseMlaFwdSm90:
         sMa = smem.allocate_tensor(Float32, cute.make_layout((TILE_H,)), 16)
         sMb = smem.allocate_tensor(Float32, cute.make_layout((TILE_H,)), 16)
         sL = smem.allocate_tensor(Float32, cute.make_layout((TILE_H, 2)), 16)
-        # each consumer's true maximum of its blocks' scaled scores (max_logits)
-        sMaxL = smem.allocate_tensor(Float32, cute.make_layout((TILE_H, 2)), 16)
-        # the tile's sink logits, gathered by the producer with Q (a load in the epilogue would
-        # stall every CTA's epilogue on its latency)
+        # each consumer's true maximum of its blocks' scaled scores (lazy max with max_logits)
+        sMaxL = None
+        if const_expr(self.track_true_max):
+            sMaxL = smem.allocate_tensor(Float32, cute.make_layout((TILE_H, 2)), 16)
+        # the sink logits of a tile, gathered by the producer with its Q (a load in the epilogue
+        # would stall it on its latency); the consumers copy theirs to registers before they
+        # free Q, after which the producer gathers the next tile's
         sSink = None
         if const_expr(self.has_sink):
             sSink = smem.allocate_tensor(Float32, cute.make_layout((TILE_H,)), 16)
@@ -296,11 +330,12 @@ class SparseMlaFwdSm90:
         # first quarter (published by that quarter's full barrier)
         sValid = smem.allocate_tensor(Int32, cute.make_layout((TILE_N, 2)), 16)
         # full[q] / empty[q], q = 2 * stage + side; side 0 = columns [0, d_v/2) (= V_L),
-        # side 1 = columns [d_v/2, d_qk) (V_R and the RoPE part)
-        mbar = smem.allocate_array(Int64, 9)
+        # side 1 = columns [d_v/2, d_qk) (V_R and the RoPE part); Q full / Q empty
+        mbar = smem.allocate_array(Int64, 10)
         mbar_full = mbar
         mbar_empty = mbar + 4
         mbar_q = mbar + 8
+        mbar_q_empty = mbar + 9
 
         if tidx == 0:
             for q in cutlass.range_constexpr(4):
@@ -310,6 +345,7 @@ class SparseMlaFwdSm90:
                 cute.arch.mbarrier_init(mbar_full + q, 128 + (16 if first else 0))
                 cute.arch.mbarrier_init(mbar_empty + q, 128)
             cute.arch.mbarrier_init(mbar_q, 128)
+            cute.arch.mbarrier_init(mbar_q_empty, 256)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -324,60 +360,68 @@ class SparseMlaFwdSm90:
             kv_base = mKV.iterator.toint()
             elem = self.dtype.width // 8
             row_bytes = self.d_qk * elem
-            pos = Int32(0)
-            if const_expr(self.has_positions):
-                pos = mQPos[t]
             keep = create_policy(True)  # KV rows: read by both head tiles and many tokens
             stream_once = create_policy(False)  # Q: read once
-            for p in cutlass.range_constexpr(TILE_H // 16):
-                r = p * 16 + row_in_pass
-                ok = h0 + r < num_heads
-                src = q_base + (Int64(t) * num_heads + h0 + r) * row_bytes
-                src = cutlass.select_(ok, src, q_base)
-                self._copy_row(sQ_addr, r, vec, src, ok, 0, self.n_chunks, stream_once)
-            if const_expr(self.has_sink):
-                if tidx < TILE_H:  # published with Q by the same arrivals
-                    ok = h0 + tidx < num_heads
-                    src = mSink.iterator.toint() + Int64(cutlass.select_(ok, h0 + tidx, 0)) * 4
-                    cp_async_4(sSink.iterator.toint() + tidx * 4, src,
-                               cutlass.select_(ok, Int32(4), Int32(0)))
-            cute.arch.cp_async_mbarrier_arrive_noinc(mbar_q)
-            for it in cutlass.range(n_pairs, unroll=1):
-                blk_a = 2 * n_pairs - 1 - 2 * it
-                # both blocks' indices are loaded before the first wait, hiding their latency
-                rows_idx = cute.make_rmem_tensor((2 * (TILE_N // 16),), Int32)
-                for b in cutlass.range_constexpr(2):
-                    for p in cutlass.range_constexpr(TILE_N // 16):
-                        j = (blk_a - b) * TILE_N + p * 16 + row_in_pass
-                        idx = Int32(-1)
-                        if j < n_valid:
-                            idx = mIdx[t, j]
-                        rows_idx[b * (TILE_N // 16) + p] = idx
-                # quarters in the order the consumers need them: A's V_L (its S starts there and
-                # its own P V reads it), B's right part (its S starts there), A's right part,
-                # B's V_L (A's last product of the pair)
-                for b, side in ((0, 0), (1, 1), (0, 1), (1, 0)):
-                    q = 2 * b + side
-                    cute.arch.mbarrier_wait(mbar_empty + q, (it & 1) ^ 1)
-                    stage_addr = sKV_addr + b * (self.stage_elems * elem)
-                    c_lo = 0 if side == 0 else self.half_chunks
-                    c_hi = self.half_chunks if side == 0 else self.n_chunks
-                    for p in cutlass.range_constexpr(TILE_N // 16):
-                        r = p * 16 + row_in_pass
-                        idx = rows_idx[b * (TILE_N // 16) + p]
-                        ok = (idx >= 0) & (idx < seqlen_kv)
-                        if const_expr(self.has_positions):
-                            ok = ok & (idx <= pos)
-                        src = kv_base + Int64(idx) * row_bytes
-                        src = cutlass.select_(ok, src, kv_base)
-                        self._copy_row(stage_addr, r, vec, src, ok, c_lo, c_hi, keep)
-                        if const_expr(b == side):  # the stage's first quarter
-                            if vec == 0:
-                                sValid[r, b] = Int32(ok)
-                    if const_expr(b == side):
-                        if vec == 0:  # publishes sValid (release), next to the copies' arrivals
-                            cute.arch.mbarrier_arrive(mbar_full + q)
-                    cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + q)
+            pairs_done = Int32(0)  # pairs of this CTA's earlier tiles: the stage barriers' phase
+            for k in cutlass.range(n_mine, unroll=1):
+                t, h0, n_valid, n_pairs = self._tile(bidx + k * grid_x, n_head_tiles, mTopkLen,
+                                                     topk)
+                pos = Int32(0)
+                if const_expr(self.has_positions):
+                    pos = mQPos[t]
+                # Q is free once both consumers' last Q K^T of the previous tile is complete
+                cute.arch.mbarrier_wait(mbar_q_empty, (k & 1) ^ 1)
+                for p in cutlass.range_constexpr(TILE_H // 16):
+                    r = p * 16 + row_in_pass
+                    ok = h0 + r < num_heads
+                    src = q_base + (Int64(t) * num_heads + h0 + r) * row_bytes
+                    src = cutlass.select_(ok, src, q_base)
+                    self._copy_row(sQ_addr, r, vec, src, ok, 0, self.n_chunks, stream_once)
+                if const_expr(self.has_sink):
+                    if tidx < TILE_H:  # published with Q by the same arrivals
+                        ok = h0 + tidx < num_heads
+                        src = mSink.iterator.toint() + Int64(cutlass.select_(ok, h0 + tidx, 0)) * 4
+                        cp_async_4(sSink.iterator.toint() + tidx * 4, src,
+                                   cutlass.select_(ok, Int32(4), Int32(0)))
+                cute.arch.cp_async_mbarrier_arrive_noinc(mbar_q)
+                for it in cutlass.range(n_pairs, unroll=1):
+                    phase = (pairs_done + it) & 1
+                    blk_a = 2 * n_pairs - 1 - 2 * it
+                    # both blocks' indices are loaded before the first wait, hiding their latency
+                    rows_idx = cute.make_rmem_tensor((2 * (TILE_N // 16),), Int32)
+                    for b in cutlass.range_constexpr(2):
+                        for p in cutlass.range_constexpr(TILE_N // 16):
+                            j = (blk_a - b) * TILE_N + p * 16 + row_in_pass
+                            idx = Int32(-1)
+                            if j < n_valid:
+                                idx = mIdx[t, j]
+                            rows_idx[b * (TILE_N // 16) + p] = idx
+                    # quarters in the order the consumers need them: A's V_L (its S starts there
+                    # and its own P V reads it), B's right part (its S starts there), A's right
+                    # part, B's V_L (A's last product of the pair)
+                    for b, side in ((0, 0), (1, 1), (0, 1), (1, 0)):
+                        q = 2 * b + side
+                        cute.arch.mbarrier_wait(mbar_empty + q, phase ^ 1)
+                        stage_addr = sKV_addr + b * (self.stage_elems * elem)
+                        c_lo = 0 if side == 0 else self.half_chunks
+                        c_hi = self.half_chunks if side == 0 else self.n_chunks
+                        for p in cutlass.range_constexpr(TILE_N // 16):
+                            r = p * 16 + row_in_pass
+                            idx = rows_idx[b * (TILE_N // 16) + p]
+                            ok = (idx >= 0) & (idx < seqlen_kv)
+                            if const_expr(self.has_positions):
+                                ok = ok & (idx <= pos)
+                            src = kv_base + Int64(idx) * row_bytes
+                            src = cutlass.select_(ok, src, kv_base)
+                            self._copy_row(stage_addr, r, vec, src, ok, c_lo, c_hi, keep)
+                            if const_expr(b == side):  # the stage's first quarter
+                                if vec == 0:
+                                    sValid[r, b] = Int32(ok)
+                        if const_expr(b == side):
+                            if vec == 0:  # publishes sValid (release), next to the copies' arrivals
+                                cute.arch.mbarrier_arrive(mbar_full + q)
+                        cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + q)
+                pairs_done = pairs_done + n_pairs
             cp_async_wait_all()
 
         else:
@@ -396,7 +440,6 @@ class SparseMlaFwdSm90:
             thr_rs = tiled_mma_pv_rs.get_slice(ct)
             thr_ss = tiled_mma_pv_ss.get_slice(ct)
             acc_O = cute.make_rmem_tensor(thr_rs.partition_shape_C((TILE_H, self.d_half)), Float32)
-            acc_O.fill(0.0)
             tOrP = thr_rs.make_fragment_A(thr_rs.partition_shape_A((TILE_H, TILE_N)))
             # acc_S seen with the A-fragment layout: (2 cols, 2 rows, 2 col groups), k blocks of 16
             acc_S_as_A = cute.make_tensor(acc_S.iterator, tOrP.layout)
@@ -407,18 +450,14 @@ class SparseMlaFwdSm90:
             m_pair = cute.make_rmem_tensor((2,), Float32)
             bmax = cute.make_rmem_tensor((2,), Float32)
             psum = cute.make_rmem_tensor((2,), Float32)
-            row_max.fill(MAX_INIT)
-            row_sum.fill(0.0)
             true_max = cute.make_rmem_tensor((2,), Float32)  # (max_logits: the lazy max is stale)
-            true_max.fill(-Float32.inf)
+            sink2 = cute.make_rmem_tensor((2,), Float32)  # the rows' sinks times log2(e)
             valid = cute.make_rmem_tensor((16,), Boolean)
             mma_rs = cute.make_mma_atom(tiled_mma_pv_rs.op)
             mma_ss = cute.make_mma_atom(tiled_mma_pv_ss.op)
             mma_rs.set(warpgroup.Field.ACCUMULATE, True)
             mma_ss.set(warpgroup.Field.ACCUMULATE, True)
-
-            cute.arch.mbarrier_wait(mbar_q, 0)
-            cute.arch.fence_view_async_shared()
+            pairs_done = Int32(0)
 
             if wg == 1:
                 # ---- A: S of the pair's first block (stage 0), O[:, :d_v/2] ----
@@ -426,129 +465,176 @@ class SparseMlaFwdSm90:
                 tOrV_ss = thr_ss.make_fragment_B(thr_ss.partition_B(sVt_all[(None, 0), None, None]))
                 tSsP = thr_qk.partition_C(sP_a)[None, None, None, pa_idx]  # own P, for B
                 tOsP = thr_ss.make_fragment_A(thr_ss.partition_A(sP_b))  # B's P
-                for it in cutlass.range(n_pairs, unroll=1):
-                    phase = it & 1
-                    cute.arch.mbarrier_wait(mbar_full + 0, phase)
-                    self._load_valid(valid, sValid, 0, tScS)
-                    cute.arch.fence_view_async_shared()  # cp.async (generic proxy) -> wgmma
-                    warpgroup.fence()
-                    self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 0, 0, self.half_chunks)
-                    warpgroup.commit_group()
-                    if it > 0:
-                        # the previous pair's B-P x V_L is done: B's left quarter is free
-                        warpgroup.wait_group(1)
-                        cute.arch.mbarrier_arrive(mbar_empty + 2)
-                    cute.arch.mbarrier_wait(mbar_full + 1, phase)
+                for k in cutlass.range(n_mine, unroll=1):
+                    t, h0, n_valid, n_pairs = self._tile(bidx + k * grid_x, n_head_tiles,
+                                                         mTopkLen, topk)
+                    self._reset(acc_O, row_max, row_sum, true_max)
+                    cute.arch.mbarrier_wait(mbar_q, k & 1)
                     cute.arch.fence_view_async_shared()
-                    warpgroup.fence()
-                    self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 0, self.half_chunks, self.n_chunks, False)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+                    if const_expr(self.has_sink):
+                        self._read_sink(sink2, sSink, h0, num_heads, row0, row1)
+                    for it in cutlass.range(n_pairs, unroll=1):
+                        phase = (pairs_done + it) & 1
+                        cute.arch.mbarrier_wait(mbar_full + 0, phase)
+                        self._load_valid(valid, sValid, 0, tScS)
+                        cute.arch.fence_view_async_shared()  # cp.async (generic proxy) -> wgmma
+                        warpgroup.fence()
+                        self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 0, 0, self.half_chunks)
+                        warpgroup.commit_group()
+                        if it > 0:
+                            # the previous pair's B-P x V_L is done: B's left quarter is free
+                            warpgroup.wait_group(1)
+                            cute.arch.mbarrier_arrive(mbar_empty + 2)
+                        cute.arch.mbarrier_wait(mbar_full + 1, phase)
+                        cute.arch.fence_view_async_shared()
+                        warpgroup.fence()
+                        self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 0, self.half_chunks,
+                                 self.n_chunks, False)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        if it == n_pairs - 1:
+                            cute.arch.mbarrier_arrive(mbar_q_empty)  # the tile's last read of Q
 
-                    # softmax of the own block against the running max, max published to B
-                    self._mask_rowmax(acc_S, valid, bmax, scale_log2)
-                    if const_expr(self.track_true_max):
-                        true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
-                        true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
-                    m_pair[0] = self._new_max(row_max[0], bmax[0])
-                    m_pair[1] = self._new_max(row_max[1], bmax[1])
-                    if lane % 4 == 0:
-                        sMa[row0] = m_pair[0]
-                        sMa[row1] = m_pair[1]
-                    cute.arch.barrier_arrive(barrier_id=BAR_MAX_A, number_of_threads=256)
-                    c0 = cute.math.exp2(row_max[0] - m_pair[0], fastmath=True)
-                    c1 = cute.math.exp2(row_max[1] - m_pair[1], fastmath=True)
-                    self._softmax_own_pv(acc_S, m_pair, c0, c1, psum, row_sum, acc_O, tOrP,
-                                         acc_S_as_A, mma_rs, tOrV_rs, 0, scale_log2)
-                    warpgroup.wait_group(0)
-                    cute.arch.mbarrier_arrive(mbar_empty + 0)  # own V_L free
+                        # softmax of the own block against the running max, max published to B
+                        self._mask_rowmax(acc_S, valid, bmax, scale_log2)
+                        if const_expr(self.track_true_max):
+                            true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
+                            true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
+                        m_pair[0] = self._new_max(row_max[0], bmax[0])
+                        m_pair[1] = self._new_max(row_max[1], bmax[1])
+                        if lane % 4 == 0:
+                            sMa[row0] = m_pair[0]
+                            sMa[row1] = m_pair[1]
+                        cute.arch.barrier_arrive(barrier_id=BAR_MAX_A, number_of_threads=256)
+                        c0 = cute.math.exp2(row_max[0] - m_pair[0], fastmath=True)
+                        c1 = cute.math.exp2(row_max[1] - m_pair[1], fastmath=True)
+                        self._softmax_own_pv(acc_S, m_pair, c0, c1, psum, row_sum, acc_O, tOrP,
+                                             acc_S_as_A, mma_rs, tOrV_rs, 0, scale_log2)
+                        warpgroup.wait_group(0)
+                        cute.arch.mbarrier_arrive(mbar_empty + 0)  # own V_L free
 
-                    # the pair's final max (B folded its block in): rescale own P, O, row sum
-                    cute.arch.barrier(barrier_id=BAR_MAX_B, number_of_threads=256)
-                    mb0 = sMb[row0]
-                    mb1 = sMb[row1]
-                    d0 = cute.math.exp2(m_pair[0] - mb0, fastmath=True)
-                    d1 = cute.math.exp2(m_pair[1] - mb1, fastmath=True)
-                    row_max[0] = mb0
-                    row_max[1] = mb1
-                    if const_expr(self.skip_unit_rescale):
-                        if (d0 != 1.0) | (d1 != 1.0):
+                        # the pair's final max (B folded its block in): rescale own P, O, row sum
+                        cute.arch.barrier(barrier_id=BAR_MAX_B, number_of_threads=256)
+                        mb0 = sMb[row0]
+                        mb1 = sMb[row1]
+                        d0 = cute.math.exp2(m_pair[0] - mb0, fastmath=True)
+                        d1 = cute.math.exp2(m_pair[1] - mb1, fastmath=True)
+                        row_max[0] = mb0
+                        row_max[1] = mb1
+                        if const_expr(self.skip_unit_rescale):
+                            if (d0 != 1.0) | (d1 != 1.0):
+                                self._rescale_to_pair_max(acc_S, acc_O, row_sum, tOrP, acc_S_as_A,
+                                                          d0, d1)
+                        else:
                             self._rescale_to_pair_max(acc_S, acc_O, row_sum, tOrP, acc_S_as_A,
                                                       d0, d1)
-                    else:
-                        self._rescale_to_pair_max(acc_S, acc_O, row_sum, tOrP, acc_S_as_A, d0, d1)
-                    tSsP.store(tOrP_as_C.load())
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier_arrive(barrier_id=BAR_P_A, number_of_threads=256)
+                        tSsP.store(tOrP_as_C.load())
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier_arrive(barrier_id=BAR_P_A, number_of_threads=256)
 
-                    # O[:, :d_v/2] += P_B V_B[:, :d_v/2]
-                    self._other_pv(mma_ss, acc_O, tOsP, pb_idx, tOrV_ss, 1, BAR_P_B)
-                warpgroup.wait_group(0)
-                self._epilogue(0, acc_O, row_max, row_sum, true_max, psum, sL, sMaxL, thr_rs, sKV,
-                               mO, mLSE, mOlo, sSink, mMaxLogits, t, h0, num_heads, row0, row1,
-                               lane, ct)
+                        # O[:, :d_v/2] += P_B V_B[:, :d_v/2]
+                        self._other_pv(mma_ss, acc_O, tOsP, pb_idx, tOrV_ss, 1, BAR_P_B)
+                    warpgroup.wait_group(0)
+                    if n_pairs == 0:
+                        cute.arch.mbarrier_arrive(mbar_q_empty)
+                    else:  # the last pair's B-P x V_L is done: B's left quarter is free
+                        cute.arch.mbarrier_arrive(mbar_empty + 2)
+                    self._epilogue(0, acc_O, row_max, row_sum, true_max, psum, sL, sMaxL, mO,
+                                   mLSE, mOlo, mMaxLogits, t, h0, num_heads, row0, row1, lane,
+                                   sink2)
+                    pairs_done = pairs_done + n_pairs
             else:
                 # ---- B: S of the pair's second block (stage 1), O[:, d_v/2:] ----
                 tOrV_rs = thr_rs.make_fragment_B(thr_rs.partition_B(sVt_all[(None, 1), None, None]))
                 tOrV_ss = thr_ss.make_fragment_B(thr_ss.partition_B(sVt_all[(None, 1), None, None]))
                 tSsP = thr_qk.partition_C(sP_b)[None, None, None, pb_idx]  # own P, for A
                 tOsP = thr_ss.make_fragment_A(thr_ss.partition_A(sP_a))  # A's P
-                for it in cutlass.range(n_pairs, unroll=1):
-                    phase = it & 1
-                    cute.arch.mbarrier_wait(mbar_full + 3, phase)
-                    self._load_valid(valid, sValid, 1, tScS)
+                for k in cutlass.range(n_mine, unroll=1):
+                    t, h0, n_valid, n_pairs = self._tile(bidx + k * grid_x, n_head_tiles,
+                                                         mTopkLen, topk)
+                    self._reset(acc_O, row_max, row_sum, true_max)
+                    cute.arch.mbarrier_wait(mbar_q, k & 1)
                     cute.arch.fence_view_async_shared()
-                    warpgroup.fence()
-                    self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 1, self.half_chunks, self.n_chunks)
-                    cute.arch.mbarrier_wait(mbar_full + 2, phase)
-                    cute.arch.fence_view_async_shared()
-                    warpgroup.fence()
-                    self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 1, 0, self.half_chunks, False)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(0)
+                    if const_expr(self.has_sink):
+                        self._read_sink(sink2, sSink, h0, num_heads, row0, row1)
+                    for it in cutlass.range(n_pairs, unroll=1):
+                        phase = (pairs_done + it) & 1
+                        cute.arch.mbarrier_wait(mbar_full + 3, phase)
+                        self._load_valid(valid, sValid, 1, tScS)
+                        cute.arch.fence_view_async_shared()
+                        warpgroup.fence()
+                        self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 1, self.half_chunks,
+                                 self.n_chunks)
+                        cute.arch.mbarrier_wait(mbar_full + 2, phase)
+                        cute.arch.fence_view_async_shared()
+                        warpgroup.fence()
+                        self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 1, 0, self.half_chunks, False)
+                        warpgroup.commit_group()
+                        warpgroup.wait_group(0)
+                        if it == n_pairs - 1:
+                            cute.arch.mbarrier_arrive(mbar_q_empty)  # the tile's last read of Q
 
-                    self._mask_rowmax(acc_S, valid, bmax, scale_log2)
-                    if const_expr(self.track_true_max):
-                        true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
-                        true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
-                    cute.arch.barrier(barrier_id=BAR_MAX_A, number_of_threads=256)
-                    m_pair[0] = self._new_max(sMa[row0], bmax[0])
-                    m_pair[1] = self._new_max(sMa[row1], bmax[1])
-                    if lane % 4 == 0:
-                        sMb[row0] = m_pair[0]
-                        sMb[row1] = m_pair[1]
-                    cute.arch.barrier_arrive(barrier_id=BAR_MAX_B, number_of_threads=256)
-                    c0 = cute.math.exp2(row_max[0] - m_pair[0], fastmath=True)
-                    c1 = cute.math.exp2(row_max[1] - m_pair[1], fastmath=True)
-                    row_max[0] = m_pair[0]
-                    row_max[1] = m_pair[1]
-                    self._softmax_own_pv(acc_S, m_pair, c0, c1, psum, row_sum, acc_O, tOrP,
-                                         acc_S_as_A, mma_rs, tOrV_rs, 1, scale_log2)
-                    # own P to shared memory for A while the product runs
-                    tSsP.store(tOrP_as_C.load())
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.barrier_arrive(barrier_id=BAR_P_B, number_of_threads=256)
+                        self._mask_rowmax(acc_S, valid, bmax, scale_log2)
+                        if const_expr(self.track_true_max):
+                            true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
+                            true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
+                        cute.arch.barrier(barrier_id=BAR_MAX_A, number_of_threads=256)
+                        m_pair[0] = self._new_max(sMa[row0], bmax[0])
+                        m_pair[1] = self._new_max(sMa[row1], bmax[1])
+                        if lane % 4 == 0:
+                            sMb[row0] = m_pair[0]
+                            sMb[row1] = m_pair[1]
+                        cute.arch.barrier_arrive(barrier_id=BAR_MAX_B, number_of_threads=256)
+                        c0 = cute.math.exp2(row_max[0] - m_pair[0], fastmath=True)
+                        c1 = cute.math.exp2(row_max[1] - m_pair[1], fastmath=True)
+                        row_max[0] = m_pair[0]
+                        row_max[1] = m_pair[1]
+                        self._softmax_own_pv(acc_S, m_pair, c0, c1, psum, row_sum, acc_O, tOrP,
+                                             acc_S_as_A, mma_rs, tOrV_rs, 1, scale_log2)
+                        # own P to shared memory for A while the product runs
+                        tSsP.store(tOrP_as_C.load())
+                        cute.arch.fence_view_async_shared()
+                        cute.arch.barrier_arrive(barrier_id=BAR_P_B, number_of_threads=256)
 
-                    # O[:, d_v/2:] += P_A V_A[:, d_v/2:]
-                    self._other_pv(mma_ss, acc_O, tOsP, pa_idx, tOrV_ss, 0, BAR_P_A)
-                    warpgroup.wait_group(1)
-                    cute.arch.mbarrier_arrive(mbar_empty + 3)  # own right quarter free
-                    warpgroup.wait_group(0)
-                    cute.arch.mbarrier_arrive(mbar_empty + 1)  # A's right quarter (+ its P) free
-                self._epilogue(1, acc_O, row_max, row_sum, true_max, psum, sL, sMaxL, thr_rs, sKV,
-                               mO, mLSE, mOlo, sSink, mMaxLogits, t, h0, num_heads, row0, row1,
-                               lane, ct)
+                        # O[:, d_v/2:] += P_A V_A[:, d_v/2:]
+                        self._other_pv(mma_ss, acc_O, tOsP, pa_idx, tOrV_ss, 0, BAR_P_A)
+                        warpgroup.wait_group(1)
+                        cute.arch.mbarrier_arrive(mbar_empty + 3)  # own right quarter free
+                        warpgroup.wait_group(0)
+                        cute.arch.mbarrier_arrive(mbar_empty + 1)  # A's right quarter (+ P) free
+                    if n_pairs == 0:
+                        cute.arch.mbarrier_arrive(mbar_q_empty)
+                    self._epilogue(1, acc_O, row_max, row_sum, true_max, psum, sL, sMaxL, mO,
+                                   mLSE, mOlo, mMaxLogits, t, h0, num_heads, row0, row1, lane,
+                                   sink2)
+                    pairs_done = pairs_done + n_pairs
+
+    @cute.jit
+    def _read_sink(self, sink2, sSink, h0, num_heads, row0, row1):
+        """The tile's sinks of rows ``row0`` / ``row1`` times log2(e); -inf for heads past H."""
+        rows = [row0, row1]
+        for r in cutlass.range_constexpr(2):
+            sink2[r] = cutlass.select_(h0 + rows[r] < num_heads,
+                                       sSink[rows[r]] * Float32(LOG2E), -Float32.inf)
+
+    @cute.jit
+    def _reset(self, acc_O, row_max, row_sum, true_max):
+        """A consumer's per-tile state at the start of a tile."""
+        acc_O.fill(0.0)
+        row_max.fill(MAX_INIT)
+        row_sum.fill(0.0)
+        true_max.fill(-Float32.inf)
 
     @cute.jit
     def _epilogue(self, role: cutlass.Constexpr, acc_O, row_max, row_sum, true_max, psum, sL,
-                  sMaxL, thr_rs, sKV, mO, mLSE, mOlo, sSink, mMaxLogits, t, h0, num_heads, row0,
-                  row1, lane, ct):
+                  sMaxL, mO, mLSE, mOlo, mMaxLogits, t, h0, num_heads, row0, row1, lane, sink2):
         """Row sums (and true maxima) of both consumers combined; the sink joins the
         denominator; lse and max_logits (written by A), then out / o_lo.
 
         With a sink ``s2 = sink * log2(e)`` the row's total in the max ``m_e = max(m, s2)`` is
         ``row_sum * exp2(m - m_e) + exp2(s2 - m_e)``: a row without a valid slot gets out 0 and
-        lse = sink (-inf only when the sink is -inf too)."""
+        lse = sink (-inf only when the sink is -inf too); ``sink2``: the rows' sinks times
+        log2(e) (-inf past H)."""
         inv = [Float32(0.0), Float32(0.0)]
         rows = [row0, row1]
         for r in cutlass.range_constexpr(2):
@@ -567,9 +653,7 @@ class SparseMlaFwdSm90:
             m = row_max[r]
             scale = Float32(1.0)
             if const_expr(self.has_sink):
-                s2 = -Float32.inf
-                if head < num_heads:
-                    s2 = sSink[rows[r]] * Float32(LOG2E)
+                s2 = sink2[r]
                 m_e = cute.arch.fmax(m, s2)
                 scale = cute.math.exp2(m - m_e, fastmath=True)
                 rs = rs * scale + cute.math.exp2(s2 - m_e, fastmath=True)
@@ -590,7 +674,11 @@ class SparseMlaFwdSm90:
                             top = cutlass.select_(row_max[r] > Float32(MAX_INIT), row_max[r],
                                                   -Float32.inf)
                             mMaxLogits[t, head] = top * Float32(LN2)
-        self._store_o(acc_O, thr_rs, sKV, mO, mOlo, t, h0, num_heads, role, inv, ct + 128 * role)
+        # sL / sMaxL are read: the next tile may write them (its pairs' barriers would order
+        # that, but a tile without a valid slot has none)
+        cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=256)
+        self._store_o(acc_O, mO, mOlo, t, h0, num_heads, role, inv, row0, row1, lane)
+
 
     @cute.jit
     def _copy_row(self, tile_addr, r, vec, src, ok, c_lo: cutlass.Constexpr,
@@ -717,55 +805,56 @@ class SparseMlaFwdSm90:
                 acc[i] = acc[i] * scale1
 
     @cute.jit
-    def _store_o(self, acc_O, thr_pv, sKV, mO, mOlo, t, h0, num_heads,
-                 half: cutlass.Constexpr, inv, tid):
+    def _store_o(self, acc_O, mO, mOlo, t, h0, num_heads, half: cutlass.Constexpr, inv,
+                        row0, row1, lane):
         """out = O * inv rounded to the output dtype and, with o_lo, o_lo = O * inv - out rounded
-        to it too; rows < H only.
+        to it too, stored from registers (rows < H only), with no shared memory: the producer
+        gathers the next tile into the KV stages meanwhile.
 
-        Both consumer warpgroups stage their d_v halves of out (and o_lo) in the (dead) KV stages,
-        rows padded against bank conflicts where the space allows, then all 256 consumer threads
-        (``tid``) write whole rows with coalesced 16-byte stores.
+        A thread holds, of rows ``row0`` / ``row1``, columns ``8 j + 2 (lane % 4) + {0, 1}`` of
+        its half (the wgmma accumulator layout). For each 32 columns the four threads of a quad
+        transpose their words (two butterfly shuffles) so that each holds 8 adjacent columns,
+        and write them as one 16-byte store, streamed through L2 (evict_first).
         """
-        self._rescale(acc_O, inv[0], inv[1])
-        rounded = acc_O.load().to(self.dtype)
-        staging = sKV.iterator.toint()
-        n_tiles = 2 if self.has_o_lo else 1
-        sOut = self._staging_tile(staging, 0, n_tiles)
-        thr_pv.partition_C(cute.local_tile(sOut, (TILE_H, self.d_half), (0, half))).store(rounded)
-        if const_expr(self.has_o_lo):
-            sOlo = self._staging_tile(staging, 1, n_tiles)
-            thr_pv.partition_C(cute.local_tile(sOlo, (TILE_H, self.d_half), (0, half))).store(
-                (acc_O.load() - rounded.to(Float32)).to(self.dtype)
-            )
-        cute.arch.barrier(barrier_id=BAR_STAGED, number_of_threads=256)
-        self._copy_rows_out(sOut, mO, t, h0, num_heads, tid)
-        if const_expr(self.has_o_lo):
-            self._copy_rows_out(sOlo, mOlo, t, h0, num_heads, tid)
-
-    def _staging_tile(self, addr, i: int, n_tiles: int):
-        """Tile ``i`` of ``n_tiles`` (64, d_v) row-major tiles of the input dtype laid over the KV
-        stages from byte address ``addr``; rows padded by 16 bytes if all tiles still fit."""
         elem = self.dtype.width // 8
-        pad = 16 // elem
-        if n_tiles * TILE_H * (self.d_v + pad) * elem > 2 * self.stage_elems * elem:
-            pad = 0
-        ptr = cute.make_ptr(self.dtype, addr + i * TILE_H * (self.d_v + pad) * elem,
-                            cute.AddressSpace.smem, assumed_align=16)
-        return cute.make_tensor(ptr, cute.make_layout((TILE_H, self.d_v), stride=(self.d_v + pad, 1)))
+        policy = create_policy(False)
+        q4 = lane % 4
+        rows = [row0, row1]
+        for rh in cutlass.range_constexpr(2):
+            head = h0 + rows[rh]
+            ok = Int32(head < num_heads)
+            first = ((Int64(t) * num_heads + head) * self.d_v + half * self.d_half + q4 * 8) * elem
+            for m in cutlass.range_constexpr(self.d_half // 32):
+                f = cute.make_rmem_tensor((8,), Float32)
+                for j in cutlass.range_constexpr(4):
+                    for e in cutlass.range_constexpr(2):
+                        f[2 * j + e] = acc_O[4 * (4 * m + j) + 2 * rh + e] * inv[rh]
+                rounded = cute.make_rmem_tensor((8,), self.dtype)
+                rounded.store(f.load().to(self.dtype))
+                self._quad_store(cute.recast_tensor(rounded, Int32), q4,
+                                 mO.iterator.toint() + first + m * 32 * elem, ok, policy)
+                if const_expr(self.has_o_lo):
+                    lo = cute.make_rmem_tensor((8,), self.dtype)
+                    lo.store((f.load() - rounded.load().to(Float32)).to(self.dtype))
+                    self._quad_store(cute.recast_tensor(lo, Int32), q4,
+                                     mOlo.iterator.toint() + first + m * 32 * elem, ok, policy)
 
     @cute.jit
-    def _copy_rows_out(self, sX, mX, t, h0, num_heads, tid):
-        """Staged (64, d_v) tile -> mX[t, h0:h0+64] in 16-byte vectors, rows < H only."""
-        vec = 16 // (self.dtype.width // 8)
-        per_row = self.d_v // vec
-        rows_per_pass = 256 // per_row
-        for k in cutlass.range_constexpr(TILE_H * per_row // 256):
-            row = tid // per_row + rows_per_pass * k
-            chunk = tid % per_row
-            if h0 + row < num_heads:
-                src = cute.local_tile(sX[row, None], (vec,), (chunk,))
-                dst = cute.local_tile(mX[t, h0 + row, None], (vec,), (chunk,))
-                cute.autovec_copy(src, dst)
+    def _quad_store(self, w, q4, addr, ok, policy):
+        """Word ``i`` of thread ``q4`` of a quad = columns ``8 i + 2 q4 + {0, 1}``; after the 4 x 4
+        transpose across the quad, thread ``q4`` holds columns ``8 q4 .. 8 q4 + 7`` and stores
+        them at ``addr`` (already offset by ``8 q4`` columns) if ``ok``."""
+        v = [w[0], w[1], w[2], w[3]]
+        for bit in cutlass.range_constexpr(2):
+            step = 1 << bit
+            upper = (q4 & step) != 0
+            for i in cutlass.range_constexpr(4):
+                if const_expr(i & step == 0):
+                    send = cutlass.select_(upper, v[i], v[i + step])
+                    got = cute.arch.shuffle_sync_bfly(send, offset=step)
+                    v[i] = cutlass.select_(upper, got, v[i])
+                    v[i + step] = cutlass.select_(upper, v[i + step], got)
+        st_global_v4_b32(addr, v[0], v[1], v[2], v[3], ok, policy)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -795,11 +884,17 @@ def compile_forward(dtype_name: str, d_qk: int, d_v: int, rescale_threshold: flo
                   if has_max_logits else None)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(kernel, x.q, x.kv, x.indices, x.topk_length, out, x.lse, o_lo,
-                        x.q_positions, sink, max_logits, Float32(1.0), stream,
+                        x.q_positions, sink, max_logits, Float32(1.0), Int32(1), stream,
                         options="--enable-tvm-ffi")
 
 
 _CACHE = KernelCache("mla_sm90_fwd")
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``: the persistent grid (one CTA per SM)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def compile_key(dtype: torch.dtype, d_qk: int, d_v: int, rescale_threshold: float,
@@ -885,6 +980,8 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
                       has_positions=q_positions is not None, has_sink=attn_sink is not None,
                       has_max_logits=return_max_logits)
     kernel = get_kernel(key)
+    n_tiles = T * ((H + TILE_H - 1) // TILE_H)
     kernel(q, kv, indices, topk_length, out, lse, o_lo if return_o_lo else None, q_positions,
-           attn_sink, max_logits if return_max_logits else None, float(sm_scale) * LOG2E)
+           attn_sink, max_logits if return_max_logits else None, float(sm_scale) * LOG2E,
+           min(n_tiles, _sm_count(q.device)))
     return out, lse, o_lo, max_logits

@@ -84,3 +84,18 @@ def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
 def st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
     """``st.shared.b32``."""
     _asm("st.shared.b32 [$0], $1;", "r,r", (Int32(addr), Int32(v)), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_v4_b32(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, pred: Int32,
+                     policy: Int64, *, loc=None, ip=None) -> None:
+    """``st.global.v4.b32`` of four words to a 16-byte aligned address with an L2 ``policy``
+    (:func:`create_policy`), issued iff ``pred != 0``."""
+    _asm(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
+        "@p st.global.L2::cache_hint.v4.b32 [$0], {$1, $2, $3, $4}, $6;\n}",
+        "l,r,r,r,r,r,l",
+        (Int64(addr), Int32(a), Int32(b), Int32(c), Int32(d), Int32(pred), Int64(policy)),
+        loc=loc,
+        ip=ip,
+    )
