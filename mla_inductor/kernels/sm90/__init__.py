@@ -6,20 +6,27 @@ checks, compile key, kernel cache, launch) in :mod:`.fwd_host`, :mod:`.bwd_host`
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 
 def available() -> tuple[bool, str]:
-    """True only on a CUDA device of capability (9, 0) with nvidia-cutlass-dsl importable."""
+    """True only on a CUDA device of capability (9, 0) with nvidia-cutlass-dsl and
+    apache-tvm-ffi installed. Checked without importing them (``importlib.util.find_spec``):
+    a process whose kernels are all in the disk cache never imports the CuTe DSL."""
     if not torch.cuda.is_available():
         return False, "sm90: no CUDA device"
     cap = torch.cuda.get_device_capability()
     if cap != (9, 0):
         return False, f"sm90: device capability {cap}, need (9, 0)"
-    try:
-        import cutlass.cute  # noqa: F401
-    except ImportError as e:
-        return False, f"sm90: nvidia-cutlass-dsl not importable ({e})"
+    for module, package in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi")):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError) as e:  # a broken entry in sys.modules or sys.path
+            return False, f"sm90: {package} not importable ({e})"
+        if not found:
+            return False, f"sm90: {package} not installed (no module named {module!r})"
     return True, ""
 
 
