@@ -12,8 +12,8 @@ On-disk cache, on by default: compiled kernels are exported as object files to
 process or another. ``<dir>`` is :func:`cache_dir`: ``$XDG_CACHE_HOME/mla_inductor`` (or
 ``~/.cache/mla_inductor``); the environment variable ``MLA_INDUCTOR_KERNEL_CACHE`` names another
 folder, and an empty value or ``0`` turns the disk cache off. The fingerprint hashes this
-package's kernel sources and the CuTe DSL version, so an edit or an upgrade never loads a stale
-binary. Each file is written under a temporary name unique to the process and thread, then
+package's kernel sources and the CuTe DSL version (read from the package metadata), so an edit
+or an upgrade never loads a stale binary. Each file is written under a temporary name unique to the process and thread, then
 renamed over the final name, so processes filling one folder at once never see a partial file.
 A file that fails to load is rebuilt and overwritten. A folder that cannot be written (read-only,
 full, a path through a regular file) gives one warning per folder; kernels are then compiled in
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import os
 import pathlib
 import threading
@@ -61,9 +62,13 @@ def cache_dir() -> pathlib.Path | None:
 
 
 def _fingerprint() -> str:
-    import cutlass
-
-    h = hashlib.sha256(getattr(cutlass, "__version__", "unknown").encode())
+    """Hash of the kernel sources and the CuTe DSL version (from the package metadata: reading
+    it does not import the DSL)."""
+    try:
+        version = importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    h = hashlib.sha256(version.encode())
     for path in sorted(pathlib.Path(__file__).parent.rglob("*.py")):
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
