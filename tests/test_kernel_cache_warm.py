@@ -90,7 +90,7 @@ def cached(disk: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path | None, str]:
 def test_a_fresh_process_loads_the_shared_library_without_the_cute_dsl(compiled, disk):
     fill(compiled)
     obj, lib, fn_name = cached(disk)
-    assert lib is not None and lib.name == f"{fn_name}.{sharedlib.library_tag()}.so"
+    assert lib is not None and lib.name == f"{fn_name}.{sharedlib.environment_tag()}.so"
     assert lib.parent == obj.parent == disk / cache._fingerprint()
     assert run_fresh(WARM_START, **{DISK_CACHE_ENV: str(disk)}) == [
         "tvm_ffi.core Function", "True", "[]"]
@@ -164,3 +164,27 @@ print(cache._fingerprint() != "")
 print(sorted(m for m in sys.modules if m.split(".")[0] == "cutlass"))
 """
     assert run_fresh(code) == ["(True, '')", "True", "[]"]
+
+
+def test_the_runtime_library_is_the_one_the_cute_dsl_uses(tmp_path, monkeypatch):
+    """$CUTE_DSL_LIBS first; else, with the DSL imported, what it links its JIT code against;
+    else the package's only toolkit flavour, and none when there are several (the DSL picks one
+    by the driver's version)."""
+    import cutlass.runtime
+
+    monkeypatch.delenv(sharedlib.RUNTIME_ENV, raising=False)
+    [theirs] = [p for p in cutlass.runtime.find_runtime_libraries(enable_tvm_ffi=False)
+                if p.endswith(sharedlib.RUNTIME_NAME)]
+    assert sharedlib._cute_dsl_runtime() == os.path.realpath(theirs)
+    package = tmp_path / "nvidia_cutlass_dsl"
+    flavours = [package / f"cu{n}" / "lib" / sharedlib.RUNTIME_NAME for n in (12, 13)]
+    for path in flavours:
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"")
+    monkeypatch.setattr(sharedlib, "_package_folders", lambda: [str(package)])
+    monkeypatch.delitem(sys.modules, "cutlass.runtime")  # as in a process that did not import it
+    assert sharedlib._cute_dsl_runtime() is None
+    flavours[1].unlink()
+    assert sharedlib._cute_dsl_runtime() == os.path.realpath(flavours[0])
+    monkeypatch.setenv(sharedlib.RUNTIME_ENV, os.pathsep.join(["/elsewhere/libfoo.so", theirs]))
+    assert sharedlib._cute_dsl_runtime() == os.path.realpath(theirs)

@@ -11,12 +11,12 @@ On-disk cache, on by default: a compiled kernel is exported as an object file,
 ``<dir>/<fingerprint>/<fn>.o`` with ``<fn> = <name>_<sha256(name, key)>``, and linked from it
 into a shared library, ``<dir>/<fingerprint>/<fn>.<tag>.so`` (:mod:`.sharedlib`: the system C
 compiler, ``cc -shared``, against the CuTe DSL's runtime library and libtvm_ffi, their folders
-as its run path; ``<tag>`` hashes those two paths, so environments sharing a folder each link
-their own). ``<dir>`` is :func:`cache_dir`: ``$XDG_CACHE_HOME/mla_inductor`` (or
-``~/.cache/mla_inductor``); the environment variable ``MLA_INDUCTOR_KERNEL_CACHE`` names another
-folder, and an empty value or ``0`` turns the disk cache off. The fingerprint hashes this
-package's kernel sources and the CuTe DSL version (read from the package metadata), so an edit
-or an upgrade never loads a stale binary.
+as its run path; ``<tag>`` hashes where this environment's CuTe DSL package and libtvm_ffi
+live, so environments sharing a folder each link their own). ``<dir>`` is :func:`cache_dir`:
+``$XDG_CACHE_HOME/mla_inductor`` (or ``~/.cache/mla_inductor``); the environment variable
+``MLA_INDUCTOR_KERNEL_CACHE`` names another folder, and an empty value or ``0`` turns the disk
+cache off. The fingerprint hashes this package's kernel sources and the CuTe DSL version (read
+from the package metadata), so an edit or an upgrade never loads a stale binary.
 
 A miss in memory then loads, in this order: (1) the shared library, with ``tvm_ffi.load_module``
 alone: no ``import cutlass`` (1-2 s of a warm start), no JIT link; this is the warm path, and
@@ -200,7 +200,7 @@ class KernelCache:
         fn_name = f"{self.name}_{digest}"
         folder = root / _fingerprint()
         obj = folder / f"{fn_name}.o"
-        tag = sharedlib.library_tag()
+        tag = sharedlib.environment_tag()
         lib = None if tag is None else folder / f"{fn_name}.{tag}.so"
         if lib is not None and lib.exists():
             try:

@@ -22,6 +22,7 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 from typing import Callable
 
 RUNTIME_ENV = "CUTE_DSL_LIBS"  # the CuTe DSL's own override of its runtime library
@@ -33,48 +34,67 @@ class LinkError(RuntimeError):
     """No C compiler, no runtime library, or the compiler failed."""
 
 
+def _package_folders() -> list[str]:
+    """The folders of the ``nvidia_cutlass_dsl`` package (found without importing anything)."""
+    try:
+        spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    except (ImportError, ValueError):
+        return []
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return sorted({os.path.realpath(folder) for folder in spec.submodule_search_locations})
+
+
+def _libtvm_ffi() -> str | None:
+    try:
+        from tvm_ffi.libinfo import find_libtvm_ffi
+
+        return os.path.realpath(find_libtvm_ffi())
+    except Exception:  # not installed or not found
+        return None
+
+
 def _cute_dsl_runtime() -> str | None:
-    """``libcute_dsl_runtime.so`` as the CuTe DSL finds it: the entry of ``$CUTE_DSL_LIBS``
-    with that name, else the one ``cu<N>/lib`` folder of the ``nvidia_cutlass_dsl`` package
-    that has it (None when there are several toolkit flavours: the DSL picks one by the
-    driver's version, which is not known without it)."""
+    """``libcute_dsl_runtime.so`` as the CuTe DSL finds it: the entry of ``$CUTE_DSL_LIBS`` with
+    that name; else, when the DSL is already imported (it always is once a kernel was compiled
+    or loaded from its object file), the one its JIT links against (it picks a toolkit flavour
+    by the driver's version); else the one ``cu<N>/lib`` folder of the ``nvidia_cutlass_dsl``
+    package that has it (None if several do). Never imports the DSL."""
     env = os.environ.get(RUNTIME_ENV, "")
     if env:
         named = [p for p in env.split(os.pathsep) if os.path.basename(p) == RUNTIME_NAME]
         return os.path.realpath(named[0]) if named and os.path.isfile(named[0]) else None
-    spec = importlib.util.find_spec("nvidia_cutlass_dsl")  # the wheel's folder; imports nothing
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    found = {os.path.realpath(p) for folder in spec.submodule_search_locations
+    runtime = sys.modules.get("cutlass.runtime")
+    if runtime is not None:
+        try:
+            named = [p for p in runtime.find_runtime_libraries(enable_tvm_ffi=False)
+                     if os.path.basename(p) == RUNTIME_NAME and os.path.isfile(p)]
+        except Exception:
+            named = []
+        if named:
+            return os.path.realpath(named[0])
+    found = {os.path.realpath(p) for folder in _package_folders()
              for p in glob.glob(os.path.join(folder, "cu*", "lib", RUNTIME_NAME))}
     return found.pop() if len(found) == 1 else None
 
 
-@functools.lru_cache(maxsize=1)
-def runtime_libraries() -> tuple[str, ...] | None:
+def runtime_libraries() -> tuple[str, str] | None:
     """The absolute paths of the runtime libraries a linked kernel needs
-    (``libcute_dsl_runtime.so``, ``libtvm_ffi.so``), or None when one cannot be found. Looked
-    up once per process."""
-    runtime = _cute_dsl_runtime()
-    if runtime is None:
-        return None
-    try:
-        from tvm_ffi.libinfo import find_libtvm_ffi
-
-        tvm_ffi = os.path.realpath(find_libtvm_ffi())
-    except Exception:  # not installed or not found
-        return None
-    return runtime, tvm_ffi
+    (``libcute_dsl_runtime.so``, ``libtvm_ffi.so``), or None when one cannot be found."""
+    runtime, tvm_ffi = _cute_dsl_runtime(), _libtvm_ffi()
+    return None if runtime is None or tvm_ffi is None else (runtime, tvm_ffi)
 
 
-def library_tag() -> str | None:
-    """A short hash of :func:`runtime_libraries` (None without them): part of a linked
-    library's file name, so that environments sharing one kernel cache (same kernel sources,
-    same CuTe DSL version, other folders) each link and load their own."""
-    libs = runtime_libraries()
-    if libs is None:
+@functools.lru_cache(maxsize=1)
+def environment_tag() -> str | None:
+    """A short hash of where this environment's CuTe DSL package and libtvm_ffi live (None
+    without them), found without importing the DSL: part of a linked library's file name, so
+    that environments sharing one kernel cache folder (same kernel sources, same CuTe DSL
+    version, other installations) each link and load their own. Computed once per process."""
+    folders, tvm_ffi = _package_folders(), _libtvm_ffi()
+    if not folders or tvm_ffi is None:
         return None
-    return hashlib.sha256("\0".join(libs).encode()).hexdigest()[:8]
+    return hashlib.sha256("\0".join([*folders, tvm_ffi]).encode()).hexdigest()[:8]
 
 
 def compiler() -> str | None:
