@@ -51,10 +51,10 @@ def test_threshold_that_overflows_p_is_rejected():
 def test_disk_cache_round_trip(tmp_path, monkeypatch):
     """A compiled kernel is exported to the disk cache and loaded back, also without a GPU."""
     from mla_inductor.kernels.cache import DISK_CACHE_ENV, KernelCache
-    from mla_inductor.kernels.sm90 import common, fwd
+    from mla_inductor.kernels.sm90 import common, fwd, fwd_host
 
     monkeypatch.setenv(DISK_CACHE_ENV, str(tmp_path))
-    key = fwd.compile_key(torch.bfloat16, 512, 512, 8.0, False, False)
+    key = fwd_host.compile_key(torch.bfloat16, 512, 512, 8.0, False, False)
     with common.target_arch("sm_90a"):
         built = KernelCache("t").get(key, lambda: fwd.compile_forward(*key[:-1]))
         files = list(tmp_path.rglob("*.o"))

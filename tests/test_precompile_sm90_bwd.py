@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from mla_inductor.kernels.sm90 import bwd  # noqa: E402
+from mla_inductor.kernels.sm90 import bwd_host  # noqa: E402
 
 
 @pytest.mark.slow
@@ -16,25 +16,25 @@ from mla_inductor.kernels.sm90 import bwd  # noqa: E402
     [(128, 576, 512, False, True), (72, 512, 512, True, False)],
 )
 def test_backward_compiles_for_sm90a(heads, d_qk, d_v, has_topk_length, has_o_lo):
-    compiled = bwd.precompile_backward(
+    compiled = bwd_host.precompile_backward(
         "sm_90a", dtypes=(torch.bfloat16,), heads=(heads,), d_qk=d_qk, d_v=d_v,
         topk_length=(has_topk_length,), o_lo=(has_o_lo,),
     )
     (key,) = compiled
     assert key == ("bfloat16", heads, d_qk, d_v, has_topk_length, has_o_lo, False, False, False,
                    "sm_90a")
-    assert key == bwd.compile_key(torch.bfloat16, heads, d_qk, d_v, has_topk_length, has_o_lo)
+    assert key == bwd_host.compile_key(torch.bfloat16, heads, d_qk, d_v, has_topk_length, has_o_lo)
     assert callable(compiled[key])
 
 
 def test_other_arch_rejected():
     with pytest.raises(ValueError):
-        bwd.precompile_backward("sm_100a")
+        bwd_host.precompile_backward("sm_100a")
 
 
 def test_unsupported_dims_rejected():
     q = torch.zeros(1, 1, 256, dtype=torch.bfloat16)
     kv = torch.zeros(4, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError):
-        bwd.backward(q[..., :128], q, kv, torch.zeros(1, 4, dtype=torch.int32), None,
-                     q[..., :128], torch.zeros(1, 1), torch.zeros(0), 0.1, 128)
+        bwd_host.backward(q[..., :128], q, kv, torch.zeros(1, 4, dtype=torch.int32), None,
+                          q[..., :128], torch.zeros(1, 1), torch.zeros(0), 0.1, 128)

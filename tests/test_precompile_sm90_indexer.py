@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("cutlass.cute")
 
 import mla_inductor  # noqa: E402
-from mla_inductor.kernels.sm90 import indexer  # noqa: E402
+from mla_inductor.kernels.sm90 import indexer, indexer_host  # noqa: E402
 
 
 def test_precompile_compiles_one_kernel_per_head_tile_and_feature(tmp_path):
@@ -21,34 +21,34 @@ def test_precompile_compiles_one_kernel_per_head_tile_and_feature(tmp_path):
         ("bfloat16", 576, tile, with_len, True, "sm_90a")
         for tile in (64, 128) for with_len in (False, True)
     )
-    key = indexer.compile_key(torch.bfloat16, 576, 128, True, True)
+    key = indexer_host.compile_key(torch.bfloat16, 576, 128, True, True)
     path = tmp_path / "target.o"
     compiled[key].export_to_c(object_file_path=str(path), function_name="indexer_target")
     assert path.stat().st_size > 0
-    again = indexer.precompile_target("sm_90a", heads=(128,), topk_length=(True,),
-                                      positions=(True,))
+    again = indexer_host.precompile_target("sm_90a", heads=(128,), topk_length=(True,),
+                                           positions=(True,))
     assert again[key] is compiled[key]  # served from the cache
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_d_qk_512_compiles(dtype):
-    (key,) = indexer.precompile_target("sm_90a", dtypes=(dtype,), d_qk=512, heads=(100,),
-                                       topk_length=(False,), positions=(False,))
+    (key,) = indexer_host.precompile_target("sm_90a", dtypes=(dtype,), d_qk=512, heads=(100,),
+                                            topk_length=(False,), positions=(False,))
     assert key == (str(dtype).removeprefix("torch."), 512, 128, False, False, "sm_90a")
 
 
 @pytest.mark.parametrize("heads,tile", [(1, 64), (64, 64), (65, 128), (128, 128)])
 def test_head_tiles(heads, tile):
-    assert indexer.tile_heads_for(heads) == tile
+    assert indexer_host.tile_heads_for(heads) == tile
 
 
 def test_rejected_configurations():
     from cutlass import BFloat16, Float32
 
     with pytest.raises(ValueError, match="sparse_mla: the sm90 indexer target supports 1 to 128"):
-        indexer.tile_heads_for(129)
+        indexer_host.tile_heads_for(129)
     with pytest.raises(ValueError, match="sm_90a"):
-        indexer.precompile_target("sm_100a")
+        indexer_host.precompile_target("sm_100a")
     with pytest.raises(ValueError, match="d_qk in"):
         indexer.IndexerTargetSm90(BFloat16, 256, 128, False, False)
     with pytest.raises(TypeError, match="bf16/fp16"):

@@ -15,7 +15,7 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 
 from conftest import reference_sparse_mla_fp64, rel_l2  # noqa: E402
 
-from mla_inductor.kernels.sm90 import bwd  # noqa: E402
+from mla_inductor.kernels.sm90 import bwd_host  # noqa: E402
 
 
 def _valid(indices, topk_length, S):
@@ -73,7 +73,7 @@ def test_gradients_vs_fp64(T, H, d_qk, d_v, S, topk, with_len):
     q, kv, dout, indices, topk_length = _case(T, H, d_qk, d_v, S, topk, with_topk_length=with_len)
     sm_scale = d_qk**-0.5
     dq64, dkv64, out, lse, o_lo = _reference(q, kv, dout, indices, topk_length, sm_scale, d_v)
-    dq, dkv, _ = bwd.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
+    dq, dkv, _ = bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
     torch.cuda.synchronize()
     assert dq.dtype == q.dtype and dq.shape == q.shape
     assert dkv.dtype == kv.dtype and dkv.shape == kv.shape
@@ -108,18 +108,18 @@ def test_precise_dpsum_improves_dq():
     q, kv, dout, idx = (t.cuda() for t in (q, kv, dout, idx))
     sm_scale = d_qk**-0.5
     dq64, _, out, lse, o_lo = _reference(q, kv, dout, idx, None, sm_scale, d_v)
-    dq_lo = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)[0]
-    dq_no = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo.new_empty(0), sm_scale, d_v)[0]
+    dq_lo = bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)[0]
+    dq_no = bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo.new_empty(0), sm_scale, d_v)[0]
     e_lo, e_no = rel_l2(dq_lo, dq64), rel_l2(dq_no, dq64)
     print(f"dq rel-L2 with o_lo {e_lo:.3e}, without {e_no:.3e}")
     assert e_lo < e_no
 
 
 def test_canaries_and_untouched_rows():
-    """dkv's fp32 accumulator (interleaved column order, see ``bwd.dkv_interleave``) sits inside
-    a larger buffer filled with subnormal fp32 bit patterns (which a stray atomic add of +0.0
-    would flush to zero): the canaries before and after it, and every accumulator row that no
-    valid slot references, keep their exact bits."""
+    """dkv's fp32 accumulator (interleaved column order, see ``bwd_host.dkv_interleave``) sits
+    inside a larger buffer filled with subnormal fp32 bit patterns (which a stray atomic add of
+    +0.0 would flush to zero): the canaries before and after it, and every accumulator row that
+    no valid slot references, keep their exact bits."""
     T, H, d_qk, d_v, S, topk = 4, 64, 576, 512, 96, 80
     q, kv, dout, indices, _ = _case(T, H, d_qk, d_v, S, topk, seed=5, invalid_frac=0.3)
     indices[2, :3] = torch.tensor([-1, S, 2**31 - 1], dtype=torch.int32)
@@ -130,7 +130,7 @@ def test_canaries_and_untouched_rows():
     buf = pattern.view(torch.float32).clone()  # positive subnormals (exponent bits zero)
     assert (buf.abs() < torch.finfo(torch.float32).tiny).all() and (buf != 0).all()
     accum = buf[pad : pad + S * d_qk].view(S, d_qk)
-    bwd.backward_into(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, d_v, accum)
+    bwd_host.backward_into(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, d_v, accum)
     torch.cuda.synchronize()
     bits, ref_bits = buf.view(torch.int32), pattern
     assert torch.equal(bits[:pad], ref_bits[:pad])
@@ -153,13 +153,14 @@ def test_interleaved_accumulator_contract():
     _, dkv64, out, lse, o_lo = _reference(q, kv, dout, indices, None, sm_scale, d_v)
     seed = torch.randn(S, d_qk, device="cuda")
     x = torch.arange(S * d_qk, device="cuda", dtype=torch.float32).view(S, d_qk)
-    assert torch.equal(bwd.dkv_deinterleave(bwd.dkv_interleave(x)), x)
-    assert not torch.equal(bwd.dkv_interleave(x), x)
-    accum = bwd.dkv_interleave(seed)
-    bwd.backward_into(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, d_v, accum)
-    got = bwd.dkv_deinterleave(accum) - seed
+    assert torch.equal(bwd_host.dkv_deinterleave(bwd_host.dkv_interleave(x)), x)
+    assert not torch.equal(bwd_host.dkv_interleave(x), x)
+    accum = bwd_host.dkv_interleave(seed)
+    bwd_host.backward_into(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, d_v, accum)
+    got = bwd_host.dkv_deinterleave(accum) - seed
     assert rel_l2(got, dkv64) < 1e-2
-    assert torch.equal(bwd.dkv_from_accum(accum, torch.float32), bwd.dkv_deinterleave(accum))
+    assert torch.equal(bwd_host.dkv_from_accum(accum, torch.float32),
+                       bwd_host.dkv_deinterleave(accum))
 
 
 def test_misaligned_accumulator_rejected():
@@ -167,5 +168,5 @@ def test_misaligned_accumulator_rejected():
     lse = torch.zeros(2, 16, device="cuda")
     buf = torch.zeros(32 * 576 + 1, device="cuda")
     with pytest.raises(ValueError):
-        bwd.backward_into(dout, q, kv, indices, None, dout, lse, lse.new_empty(0), 0.1, 512,
-                          buf[1:].view(32, 576))
+        bwd_host.backward_into(dout, q, kv, indices, None, dout, lse, lse.new_empty(0), 0.1, 512,
+                               buf[1:].view(32, 576))

@@ -1,8 +1,8 @@
 """The Hopper kernels' DSA features against fp64 autograd: causal positions, an attention sink,
 max_logits (under both thresholds) and a gradient reaching lse.
 
-Kernel level (``mla_inductor.kernels.sm90.fwd.forward`` / ``bwd.backward``); the op-level API is
-tested on every backend elsewhere. GPU only (SM90).
+Kernel level (``mla_inductor.kernels.sm90.fwd_host.forward`` / ``bwd_host.backward``); the
+op-level API is tested on every backend elsewhere. GPU only (SM90).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 
 from conftest import rel_l2  # noqa: E402
 
-from mla_inductor.kernels.sm90 import bwd, fwd  # noqa: E402
+from mla_inductor.kernels.sm90 import bwd_host, fwd_host  # noqa: E402
 
 D_QK, D_V = 576, 512
 
@@ -69,7 +69,7 @@ def test_features_forward_and_backward_vs_fp64(threshold, H, causal, with_sink):
     positions = positions if causal else None
     sink = sink if with_sink else None
     sm_scale = D_QK**-0.5
-    out, lse, o_lo, max_logits = fwd.forward(
+    out, lse, o_lo, max_logits = fwd_host.forward(
         q, kv, indices, None, sm_scale, D_V, threshold, True, q_positions=positions,
         attn_sink=sink, return_max_logits=True,
     )
@@ -97,8 +97,8 @@ def test_features_forward_and_backward_vs_fp64(threshold, H, causal, with_sink):
     dlse = torch.randn(lse.shape, device="cuda", generator=g)
     dlse = torch.where(torch.isfinite(lse), dlse, 0.0)
     ((out64 * dout.double()).sum() + (torch.where(finite, lse64, 0.0) * dlse.double()).sum()).backward()
-    dq, dkv, d_sink = bwd.backward(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, D_V,
-                                   q_positions=positions, attn_sink=sink, dlse=dlse)
+    dq, dkv, d_sink = bwd_host.backward(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, D_V,
+                                        q_positions=positions, attn_sink=sink, dlse=dlse)
     assert rel_l2(dq, q64.grad) <= 1.5 * rel_l2(q64.grad.to(q.dtype), q64.grad)
     assert rel_l2(dkv, kv64.grad) <= 1.5 * rel_l2(kv64.grad.to(kv.dtype), kv64.grad)
     if sink is None:
@@ -114,10 +114,10 @@ def test_features_forward_and_backward_vs_fp64(threshold, H, causal, with_sink):
 def test_sink_of_minus_inf_is_no_sink():
     q, kv, indices, positions, _ = _case(32, 64, 512, 128, seed=3)
     sm_scale = D_QK**-0.5
-    none = fwd.forward(q, kv, indices, None, sm_scale, D_V, 0.0, True, q_positions=positions)
+    none = fwd_host.forward(q, kv, indices, None, sm_scale, D_V, 0.0, True, q_positions=positions)
     minus_inf = torch.full((64,), -math.inf, device="cuda")
-    with_sink = fwd.forward(q, kv, indices, None, sm_scale, D_V, 0.0, True, q_positions=positions,
-                            attn_sink=minus_inf)
+    with_sink = fwd_host.forward(q, kv, indices, None, sm_scale, D_V, 0.0, True,
+                                 q_positions=positions, attn_sink=minus_inf)
     for a, b in zip(none[:3], with_sink[:3]):
         assert torch.equal(a, b)
 
@@ -132,8 +132,8 @@ def test_sink_view_with_a_partial_head_tile():
     sink = storage[1:]
     assert sink.data_ptr() % 16 == 4
     sm_scale = D_QK**-0.5
-    out, lse, _, _ = fwd.forward(q, kv, indices, None, sm_scale, D_V, 0.0, False,
-                                 q_positions=positions, attn_sink=sink)
+    out, lse, _, _ = fwd_host.forward(q, kv, indices, None, sm_scale, D_V, 0.0, False,
+                                      q_positions=positions, attn_sink=sink)
     out64, lse64, _ = _reference(q.double(), kv.double(), indices, sm_scale, positions,
                                  sink.double())
     assert rel_l2(out, out64) <= 1.5 * rel_l2(out64.to(q.dtype), out64)
@@ -160,13 +160,13 @@ def test_persistent_grid_walks_many_tiles(monkeypatch, threshold):
     sm_scale = D_QK**-0.5
 
     def run():
-        return fwd.forward(q, kv, indices, topk_length, sm_scale, D_V, threshold, True,
-                           q_positions=positions, attn_sink=sink, return_max_logits=True)
+        return fwd_host.forward(q, kv, indices, topk_length, sm_scale, D_V, threshold, True,
+                                q_positions=positions, attn_sink=sink, return_max_logits=True)
 
-    monkeypatch.setattr(fwd, "_sm_count", lambda device: 2 * T)  # one CTA per tile
+    monkeypatch.setattr(fwd_host, "_sm_count", lambda device: 2 * T)  # one CTA per tile
     per_tile = run()
     for ctas in (1, 3, 7):
-        monkeypatch.setattr(fwd, "_sm_count", lambda device, ctas=ctas: ctas)
+        monkeypatch.setattr(fwd_host, "_sm_count", lambda device, ctas=ctas: ctas)
         for a, b in zip(per_tile, run()):
             assert torch.equal(a, b), ctas
 

@@ -211,11 +211,11 @@ def test_cuda_graph_capture_and_side_stream():
 
 def test_compile_during_capture_raises():
     from mla_inductor.kernels.cache import CompileDuringCaptureError
-    from mla_inductor.kernels.sm90 import fwd
+    from mla_inductor.kernels.sm90 import fwd_host
 
     q, kv, indices = _inputs(T=4, H=64, S=1000, topk=64, seed=1)
-    key = fwd.compile_key(q.dtype, D_QK, D_V, 3.0, False, False)
-    assert key not in fwd._CACHE
+    key = fwd_host.compile_key(q.dtype, D_QK, D_V, 3.0, False, False)
+    assert key not in fwd_host._CACHE
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(CompileDuringCaptureError):
         with torch.cuda.graph(graph):

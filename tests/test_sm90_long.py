@@ -28,7 +28,7 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 
 from conftest import rel_l2  # noqa: E402
 
-from mla_inductor.kernels.sm90 import bwd, fwd  # noqa: E402
+from mla_inductor.kernels.sm90 import bwd_host, fwd_host  # noqa: E402
 
 D_QK, D_V = 576, 512
 SAMPLE_TOKENS = 256
@@ -92,7 +92,7 @@ def _fp64_dkv_rows(q, kv, indices, dout, rows, sm_scale, chunk=128):
 
 
 def _forward(q, kv, indices, sm_scale):
-    return fwd.forward(q, kv, indices, None, sm_scale, D_V, 0.0, True)[:3]
+    return fwd_host.forward(q, kv, indices, None, sm_scale, D_V, 0.0, True)[:3]
 
 
 def _near_floor(x, ref):
@@ -136,9 +136,9 @@ def test_long_context_forward_and_backward(T, H, topk):
     canary = torch.full((CANARY_ROWS, D_QK), 1234.5, device="cuda")
     buf = torch.cat((canary, torch.zeros(S, D_QK, device="cuda"), canary))
     accum = buf[CANARY_ROWS:CANARY_ROWS + S]
-    dq = bwd.backward_into(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, D_V, accum)
+    dq = bwd_host.backward_into(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, D_V, accum)
     assert torch.equal(buf[:CANARY_ROWS], canary) and torch.equal(buf[-CANARY_ROWS:], canary)
-    dkv = bwd.dkv_from_accum(accum, torch.float32)
+    dkv = bwd_host.dkv_from_accum(accum, torch.float32)
     del buf, accum
 
     _near_floor(dq[tokens], _fp64_dq(q, kv, indices, dout, tokens, sm_scale))
@@ -151,7 +151,7 @@ def test_long_context_forward_and_backward(T, H, topk):
     accum = torch.zeros(S, D_QK, device="cuda")
     for t0 in reversed(range(0, T, SAFE_CHUNK)):
         s = slice(t0, min(T, t0 + SAFE_CHUNK))
-        dq_c = bwd.backward_into(dout[s], q[s], kv, indices[s], None, out[s], lse[s], o_lo[s],
-                                 sm_scale, D_V, accum)
+        dq_c = bwd_host.backward_into(dout[s], q[s], kv, indices[s], None, out[s], lse[s], o_lo[s],
+                                      sm_scale, D_V, accum)
         assert torch.equal(dq[s], dq_c)
-    assert rel_l2(dkv, bwd.dkv_from_accum(accum, torch.float32)) < 1e-5
+    assert rel_l2(dkv, bwd_host.dkv_from_accum(accum, torch.float32)) < 1e-5

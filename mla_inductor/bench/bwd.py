@@ -53,7 +53,7 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
     :data:`mla_inductor.bench.timing.PROTOCOLS`) and the reference backend's (sustained). Needs
     a CUDA device where the sm90 kernels run
     (:func:`mla_inductor.bench.problems.require_sm90`)."""
-    from ..kernels.sm90 import bwd, fwd
+    from ..kernels.sm90 import bwd_host, fwd_host
 
     g = torch.Generator(device="cuda").manual_seed(0)
     S = kv_per_token * T
@@ -62,19 +62,19 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
     dout = torch.randn(T, H, d_v, device="cuda", generator=g).bfloat16()
     idx = make_indices(T, S, topk, pattern, g)
     sm_scale = d_qk**-0.5
-    out, lse, o_lo, _ = fwd.forward(q, kv, idx, None, sm_scale, d_v, 0.0, True)
+    out, lse, o_lo, _ = fwd_host.forward(q, kv, idx, None, sm_scale, d_v, 0.0, True)
     no_o_lo = o_lo.new_empty(0)
     flops = 2 * T * H * topk * (3 * d_qk + 2 * d_v)
-    fns = {"sm90": lambda: bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v),
-           "sm90, no o_lo": lambda: bwd.backward(dout, q, kv, idx, None, out, lse, no_o_lo,
-                                                 sm_scale, d_v)}
+    fns = {"sm90": lambda: bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v),
+           "sm90, no o_lo": lambda: bwd_host.backward(dout, q, kv, idx, None, out, lse, no_o_lo,
+                                                      sm_scale, d_v)}
     if features:  # each DSA feature's backward against the plain one (the same out / lse)
         extra = feature_arguments(T, S, H)
         pos, sink = extra["causal"][0], extra["sink"][1]
         dlse = torch.randn(T, H, device="cuda", generator=g)
         for name, kwargs in (("causal", dict(q_positions=pos)), ("sink", dict(attn_sink=sink)),
                              ("dlse", dict(dlse=dlse))):
-            fns[f"sm90 + {name}"] = (lambda kwargs=kwargs: bwd.backward(
+            fns[f"sm90 + {name}"] = (lambda kwargs=kwargs: bwd_host.backward(
                 dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v, **kwargs))
     cudnn_bwd = _cudnn_backward()
     if cudnn_bwd is not None:
@@ -87,8 +87,8 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
            f"(without o_lo {flops / times['sm90, no o_lo'] / 1e9:7.1f})"
     if cudnn_bwd is not None:
         cudnn_ms = times["cudnn"]
-        ours, theirs = bwd.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)[:2], \
-            cudnn_bwd(q, kv, out, dout, lse, sink, idx, softmax_scale=sm_scale)
+        ours = bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)[:2]
+        theirs = cudnn_bwd(q, kv, out, dout, lse, sink, idx, softmax_scale=sm_scale)
         agree = max(_rel_l2(ours[0], theirs["dq"]), _rel_l2(ours[1], theirs["dkv"]))
         line += f" | cuDNN {cudnn_ms:8.3f} ms {flops / cudnn_ms / 1e9:7.1f} TFLOPS " \
                 f"(ours/cuDNN {cudnn_ms / ms:.2f}x, gradients agree to rel-L2 {agree:.1e})"

@@ -1,5 +1,5 @@
-"""Compiled-kernel cache for our CuTe DSL kernels (the sm90 forward and backward; the sm100
-backend uses FlashAttention-4's own cache).
+"""Compiled-kernel cache for our CuTe DSL kernels (the sm90 forward, backward and indexer target;
+the sm100 backend uses FlashAttention-4's own cache).
 
 A :class:`KernelCache` maps a static compile key (a tuple of dtype names, head dims, threshold,
 flags, arch: never a dynamic size) to a compiled TVM-FFI function. A miss compiles through the
@@ -7,23 +7,40 @@ caller's ``build`` function, except while the current CUDA stream is capturing a
 it raises, because compiling (and module loading) inside a capture is not capturable; run the
 op once eagerly (or call ``mla_inductor.precompile``) before capturing.
 
-On-disk cache, on by default: compiled kernels are exported as object files to
-``<dir>/<fingerprint>/<name>_<sha256(name, key)>.o`` and loaded back on a later miss, in this
-process or another. ``<dir>`` is :func:`cache_dir`: ``$XDG_CACHE_HOME/mla_inductor`` (or
-``~/.cache/mla_inductor``); the environment variable ``MLA_INDUCTOR_KERNEL_CACHE`` names another
-folder, and an empty value or ``0`` turns the disk cache off. The fingerprint hashes this
-package's kernel sources and the CuTe DSL version, so an edit or an upgrade never loads a stale
-binary. Each file is written under a temporary name unique to the process and thread, then
-renamed over the final name, so processes filling one folder at once never see a partial file.
-A file that fails to load is rebuilt and overwritten. A folder that cannot be written (read-only,
-full, a path through a regular file) gives one warning per folder; kernels are then compiled in
-memory and that folder is no longer written by this process.
+On-disk cache, on by default: a compiled kernel is exported as an object file,
+``<dir>/<fingerprint>/<fn>.o`` with ``<fn> = <name>_<sha256(name, key)>``, and linked from it
+into a shared library, ``<dir>/<fingerprint>/<fn>.<tag>.so`` (:mod:`.sharedlib`: the system C
+compiler, ``cc -shared``, against the CuTe DSL's runtime library and libtvm_ffi, their folders
+as its run path; ``<tag>`` hashes where this environment's CuTe DSL package and libtvm_ffi
+live, so environments sharing a folder each link their own). ``<dir>`` is :func:`cache_dir`:
+``$XDG_CACHE_HOME/mla_inductor`` (or ``~/.cache/mla_inductor``); the environment variable
+``MLA_INDUCTOR_KERNEL_CACHE`` names another folder, and an empty value or ``0`` turns the disk
+cache off. The fingerprint hashes this package's kernel sources and the CuTe DSL version (read
+from the package metadata), so an edit or an upgrade never loads a stale binary.
+
+A miss in memory then loads, in this order: (1) the shared library, with ``tvm_ffi.load_module``
+alone: no ``import cutlass`` (1-2 s of a warm start), no JIT link; this is the warm path, and
+nothing on it imports the CuTe DSL (the launchers import it only to compile, the fingerprint
+reads its version from the metadata, :func:`mla_inductor.kernels.sm90.available` uses
+``find_spec``); (2) else the object file, through ``cutlass.cute.runtime.load_module`` (the CuTe
+DSL and its JIT linker), after which the shared library is linked from it for the next process;
+(3) else it compiles (``build()``) and writes both files. Without a C compiler or the runtime
+libraries, or when linking fails (logged at INFO on the ``mla_inductor`` logger), only the object
+file is written and loaded, as before the shared libraries; the op never fails for it.
+
+Each file is written under a temporary name unique to the process and thread, then renamed over
+the final name, so processes filling one folder at once never see a partial file. A file that
+fails to load (corrupt, or a library linked against files that are gone) is rebuilt and
+overwritten. A folder that cannot be written (read-only, full, a path through a regular file)
+gives one warning per folder; kernels are then compiled in memory and that folder is no longer
+written by this process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import os
 import pathlib
 import threading
@@ -31,6 +48,9 @@ import warnings
 from typing import Callable, Hashable
 
 import torch
+
+from ..logs import log
+from . import sharedlib
 
 DISK_CACHE_ENV = "MLA_INDUCTOR_KERNEL_CACHE"
 
@@ -61,28 +81,59 @@ def cache_dir() -> pathlib.Path | None:
 
 
 def _fingerprint() -> str:
-    import cutlass
-
-    h = hashlib.sha256(getattr(cutlass, "__version__", "unknown").encode())
+    """Hash of the kernel sources and the CuTe DSL version (from the package metadata: reading
+    it does not import the DSL)."""
+    try:
+        version = importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    h = hashlib.sha256(version.encode())
     for path in sorted(pathlib.Path(__file__).parent.rglob("*.py")):
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
 def _load(path: pathlib.Path, fn_name: str) -> Callable:
-    """The function ``fn_name`` of the object file at ``path``; raises if it cannot be loaded."""
+    """The function ``fn_name`` of the object file at ``path``, through the CuTe DSL (which
+    this imports); raises if it cannot be loaded."""
     import cutlass.cute as cute
 
     return cute.runtime.load_module(str(path), enable_tvm_ffi=True)[fn_name]
 
 
-def _write(root: pathlib.Path, path: pathlib.Path, fn, fn_name: str) -> None:
-    """Exports ``fn`` to ``path`` through a temporary file; on failure warns once per ``root``."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+def _temporary(path: pathlib.Path) -> pathlib.Path:
+    """A name next to ``path`` unique to this process and thread."""
+    return path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+
+
+def _link(obj: pathlib.Path, lib: pathlib.Path) -> bool:
+    """Links the object file ``obj`` into the shared library ``lib`` through a temporary file;
+    on failure (no C compiler, a compiler error, a full disk) logs why and returns False."""
+    tmp = _temporary(lib)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        sharedlib.link(obj, tmp)
+        os.replace(tmp, lib)
+        return True
+    except Exception as error:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        log.info("kernel cache: no shared library %s (%s); its kernel loads from the object "
+                 "file, through the CuTe DSL", lib, error)
+        return False
+
+
+def _write(root: pathlib.Path, obj: pathlib.Path, lib: pathlib.Path | None, fn,
+           fn_name: str) -> None:
+    """Exports ``fn`` to the object file ``obj`` and, when ``lib`` is given, links it into that
+    shared library, each through a temporary file; a failure to write the object file warns once
+    per ``root``, a failure to link only logs (see :func:`_link`)."""
+    tmp = _temporary(obj)
+    try:
+        obj.parent.mkdir(parents=True, exist_ok=True)
         fn.export_to_c(object_file_path=str(tmp), function_name=fn_name)
-        os.replace(tmp, path)
+        if lib is not None:
+            _link(tmp, lib)
+        os.replace(tmp, obj)
     except Exception as error:  # a full or read-only disk must not fail the op
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
@@ -147,13 +198,25 @@ class KernelCache:
             return build()
         digest = hashlib.sha256(repr((self.name, key)).encode()).hexdigest()[:24]
         fn_name = f"{self.name}_{digest}"
-        path = root / _fingerprint() / f"{fn_name}.o"
-        if path.exists():
+        folder = root / _fingerprint()
+        obj = folder / f"{fn_name}.o"
+        tag = sharedlib.environment_tag()
+        lib = None if tag is None else folder / f"{fn_name}.{tag}.so"
+        if lib is not None and lib.exists():
             try:
-                return _load(path, fn_name)
+                return sharedlib.load(lib, fn_name)  # the warm path: no CuTe DSL
+            except Exception:  # corrupt, or its runtime libraries are gone: relinked below
+                pass
+        if obj.exists():
+            try:
+                fn = _load(obj, fn_name)
             except Exception:  # corrupt or incompatible file: rebuilt and overwritten below
                 pass
+            else:
+                if lib is not None and root not in _unwritable:
+                    _link(obj, lib)  # so that the next process need not import the CuTe DSL
+                return fn
         fn = build()
         if root not in _unwritable:
-            _write(root, path, fn, fn_name)
+            _write(root, obj, lib, fn, fn_name)
         return fn

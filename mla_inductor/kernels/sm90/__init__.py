@@ -1,23 +1,32 @@
 """Our Hopper (SM90a) sparse-MLA kernels, written in CuTe DSL (backend protocol of
-:mod:`mla_inductor.kernels`). The forward is in :mod:`.fwd`, the backward in :mod:`.bwd`, the
-indexer's training target in :mod:`.indexer`."""
+:mod:`mla_inductor.kernels`). The forward's kernel is in :mod:`.fwd`, the backward's in
+:mod:`.bwd`, the indexer's training target in :mod:`.indexer`; each has its launcher (argument
+checks, compile key, kernel cache, launch) in :mod:`.fwd_host`, :mod:`.bwd_host`,
+:mod:`.indexer_host`, which import the CuTe DSL only to compile a kernel that is not cached."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
 
 def available() -> tuple[bool, str]:
-    """True only on a CUDA device of capability (9, 0) with nvidia-cutlass-dsl importable."""
+    """True only on a CUDA device of capability (9, 0) with nvidia-cutlass-dsl and
+    apache-tvm-ffi installed. Checked without importing them (``importlib.util.find_spec``):
+    a process whose kernels are all in the disk cache never imports the CuTe DSL."""
     if not torch.cuda.is_available():
         return False, "sm90: no CUDA device"
     cap = torch.cuda.get_device_capability()
     if cap != (9, 0):
         return False, f"sm90: device capability {cap}, need (9, 0)"
-    try:
-        import cutlass.cute  # noqa: F401
-    except ImportError as e:
-        return False, f"sm90: nvidia-cutlass-dsl not importable ({e})"
+    for module, package in (("cutlass", "nvidia-cutlass-dsl"), ("tvm_ffi", "apache-tvm-ffi")):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError) as e:  # a broken entry in sys.modules or sys.path
+            return False, f"sm90: {package} not importable ({e})"
+        if not found:
+            return False, f"sm90: {package} not installed (no module named {module!r})"
     return True, ""
 
 
@@ -25,7 +34,8 @@ SUPPORTED_DIMS = ((576, 512), (512, 512))  # (d_qk, d_v)
 
 
 INDEXER_D_QK = (576, 512)
-INDEXER_MAX_HEADS = 128
+INDEXER_TILE_HEADS = (64, 128)  # the indexer kernel's wgmma N: the heads of one token, padded
+INDEXER_MAX_HEADS = INDEXER_TILE_HEADS[-1]
 
 
 def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tuple[bool, str]:
@@ -52,12 +62,12 @@ def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tupl
 
 def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, rescale_threshold,
             return_o_lo, return_max_logits):
-    """See :func:`mla_inductor.kernels.sm90.fwd.forward`."""
-    from . import fwd
+    """See :func:`mla_inductor.kernels.sm90.fwd_host.forward`."""
+    from . import fwd_host
 
-    return fwd.forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo,
-                       q_positions=q_positions, attn_sink=attn_sink,
-                       return_max_logits=return_max_logits)
+    return fwd_host.forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold,
+                            return_o_lo, q_positions=q_positions, attn_sink=attn_sink,
+                            return_max_logits=return_max_logits)
 
 
 def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576, d_v: int = 512,
@@ -79,23 +89,22 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     """
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
-    from . import bwd, fwd, indexer
-    from .common import target_arch
+    from . import bwd_host, fwd_host, indexer_host
 
     compiled = {}
-    with target_arch(arch):
-        for dtype in dtypes:
-            for threshold in thresholds:
-                for with_o_lo in o_lo:
-                    for with_len in topk_length:
-                        key = fwd.compile_key(dtype, d_qk, d_v, threshold, with_o_lo, with_len, arch)
-                        compiled[key] = fwd.get_kernel(key)
+    for dtype in dtypes:
+        for threshold in thresholds:
+            for with_o_lo in o_lo:
+                for with_len in topk_length:
+                    key = fwd_host.compile_key(dtype, d_qk, d_v, threshold, with_o_lo, with_len,
+                                               arch)
+                    compiled[key] = fwd_host.get_kernel(key)
     if backward_heads:
-        compiled.update(bwd.precompile_backward(
+        compiled.update(bwd_host.precompile_backward(
             arch, dtypes=dtypes, heads=backward_heads, d_qk=d_qk, d_v=d_v, topk_length=topk_length,
             o_lo=backward_o_lo))
     if indexer_heads:
-        compiled.update(indexer.precompile_target(
+        compiled.update(indexer_host.precompile_target(
             arch, dtypes=dtypes, d_qk=d_qk, heads=indexer_heads, topk_length=topk_length,
             positions=indexer_positions))
     return compiled
@@ -103,17 +112,17 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
 
 def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
              sm_scale, d_v):
-    """See :func:`mla_inductor.kernels.sm90.bwd.backward`."""
-    from . import bwd
+    """See :func:`mla_inductor.kernels.sm90.bwd_host.backward`."""
+    from . import bwd_host
 
-    return bwd.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v,
-                        q_positions=q_positions, attn_sink=attn_sink, dlse=dlse)
+    return bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v,
+                             q_positions=q_positions, attn_sink=attn_sink, dlse=dlse)
 
 
 def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
-    """See :func:`mla_inductor.kernels.sm90.indexer.indexer_target` (``attn_sink`` is inside
-    ``lse`` and not read)."""
-    from . import indexer
+    """See :func:`mla_inductor.kernels.sm90.indexer_host.indexer_target` (``attn_sink`` is
+    inside ``lse`` and not read)."""
+    from . import indexer_host
 
     del attn_sink
-    return indexer.indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale)
+    return indexer_host.indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale)

@@ -26,9 +26,9 @@ Stages (all on torch's current stream, capturable in CUDA graphs):
    groups of 16 (column ``8h + 2q + l`` of a group is stored at ``4q + 2h + l``, h, l in {0, 1},
    q in 0..3; rows are not moved), so that the four values a wgmma accumulator thread holds for
    one row (columns c, c+1, c+8, c+9) are one 16-byte ``red.global.add.v4.f32`` (callers may
-   pass their own buffer, see :func:`backward_into`, :func:`dkv_interleave`,
-   :func:`dkv_deinterleave`);
-2. postprocess (torch op, :func:`dkv_from_accum`): un-interleave and cast to kv's dtype in one
+   pass their own buffer, see :func:`.bwd_host.backward_into`,
+   :func:`.bwd_host.dkv_interleave`, :func:`.bwd_host.dkv_deinterleave`);
+2. postprocess (torch op, :func:`.bwd_host.dkv_from_accum`): un-interleave and cast to kv's dtype in one
    copy.
 
 The preprocess was three torch ops with fp32 temporaries (about 10 GB of traffic at T = 4096,
@@ -91,14 +91,11 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-import torch
 from cutlass import Boolean, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from ..cache import KernelCache
-from . import SUPPORTED_DIMS
-from .common import contiguous_aligned, target_arch
+from .host import DKV_GROUP as _GROUP
 from .ptx import cp_async_16, opaque_i32, red_add_f32x4, st_shared_b32
 
 _TILE_M = 64  # heads per CTA (wgmma M)
@@ -107,7 +104,6 @@ _CHUNK = 64  # columns per dKV chunk (one 128-byte swizzle atom of bf16)
 _NUM_THREADS = 256
 _WG_THREADS = 128
 _LOG2_E = math.log2(math.e)
-_GROUP = 16  # dkv_accum columns are interleaved within aligned groups of 16 (see dkv_interleave)
 
 # Named barriers (0 is __syncthreads). "READY"/"FREE" ones pair one warpgroup's bar.arrive with
 # the other's bar.sync, 256 threads each; every use alternates strictly between the two sides.
@@ -123,24 +119,6 @@ def _smem_bytes(d_qk: int, d_v: int) -> int:
     """Q, K/V, dO, P, dS tiles (bf16), two stages of row indices, lse_log2, dpsum, 1 KiB slack."""
     tiles = (_TILE_M * d_qk + _TILE_N * d_qk + _TILE_M * d_v + 2 * _TILE_M * _TILE_N) * 2
     return tiles + (2 * _TILE_N + 2 * _TILE_M) * 4 + 1024
-
-
-def dkv_interleave(x: torch.Tensor) -> torch.Tensor:
-    """Plain ``[S, d]`` (any dtype, ``d`` a multiple of 16) -> the kernel's interleaved column
-    order, same dtype (a contiguous copy).
-
-    Within every aligned group of 16 columns, column ``8 * h + 2 * q + l`` (h, l in {0, 1},
-    q in 0..3) is stored at position ``4 * q + 2 * h + l``: the four values that one thread of a
-    wgmma accumulator holds for a row (columns c, c+1, c+8, c+9) are adjacent, so the kernel adds
-    them with one 16-byte ``red.global.add.v4.f32``. Rows are not moved."""
-    S, d = x.shape
-    return x.view(S, d // _GROUP, 2, 4, 2).permute(0, 1, 3, 2, 4).reshape(S, d)
-
-
-def dkv_deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`dkv_interleave`: the kernel's accumulator ``[S, d]`` -> plain column
-    order, same dtype (a contiguous copy; :func:`dkv_from_accum` with ``x``'s dtype)."""
-    return dkv_from_accum(x, x.dtype)
 
 
 def transposed(t):
@@ -770,26 +748,14 @@ class SparseMlaBackwardSm90:
                 red_add_f32x4(addr_b + line, vb[0], vb[1], vb[2], vb[3], ok_b)
 
 
-_CACHE = KernelCache("mla_sm90_bwd")
 _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-
-
-def compile_key(dtype: torch.dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
-                has_o_lo: bool = True, arch: str = "sm_90a", *, has_positions: bool = False,
-                has_dlse: bool = False, writes_dpsum: bool = False) -> tuple:
-    """The static compile key: T, S and topk are symbolic; the head count is static, and so
-    are whether ``topk_length``, a non-empty ``o_lo`` (read for dpsum only when passed), causal
-    positions and dlse are passed and whether dpsum is written out. The arch is last."""
-    return (str(dtype).removeprefix("torch."), int(heads), int(d_qk), int(d_v),
-            bool(has_topk_length), bool(has_o_lo), bool(has_positions), bool(has_dlse),
-            bool(writes_dpsum), arch)
 
 
 def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
                      has_o_lo: bool = True, has_positions: bool = False, has_dlse: bool = False,
                      writes_dpsum: bool = False):
     """Compiles the main kernel for one static configuration (no GPU needed inside
-    :func:`target_arch`). The returned TVM-FFI function takes ``(q, kv, dout, out,
+    :func:`.common.target_arch`). The returned TVM-FFI function takes ``(q, kv, dout, out,
     o_lo_or_None, lse, indices, topk_length_or_None, dq, dkv_accum, q_positions_or_None,
     dlse_or_None, dpsum_or_None, sm_scale)`` as torch tensors and a float, and runs on torch's
     current stream."""
@@ -826,131 +792,3 @@ def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_
     kernel = SparseMlaBackwardSm90(cdtype, heads, d_qk, d_v, has_topk_length, has_o_lo,
                                    has_positions, has_dlse, writes_dpsum)
     return cute.compile(kernel, *args, options="--enable-tvm-ffi")
-
-
-def get_kernel(key: tuple):
-    """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now
-    (raises :class:`~mla_inductor.kernels.cache.CompileDuringCaptureError` during capture)."""
-    return _CACHE.get(key, lambda: compile_backward(*key[:-1]))
-
-
-def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads=(128,),
-                        d_qk: int = 576, d_v: int = 512, topk_length=(False, True),
-                        o_lo=(True,)) -> dict:
-    """Compiles the backward kernel for ``arch`` without a GPU, for every combination of
-    ``dtypes`` x ``heads`` x ``topk_length`` x ``o_lo`` (whether the forward's o_lo is passed:
-    a training forward always returns it); returns ``{compile_key: fn}`` (also cached).
-
-    Raises:
-        ValueError: for an arch other than ``sm_90a``.
-    """
-    if arch != "sm_90a":
-        raise ValueError(f"sm90 backward: cannot compile for {arch!r}; use 'sm_90a'")
-    compiled = {}
-    with target_arch(arch):
-        for dtype in dtypes:
-            for h in heads:
-                for with_len in topk_length:
-                    for with_o_lo in o_lo:
-                        key = compile_key(dtype, h, d_qk, d_v, with_len, with_o_lo, arch)
-                        compiled[key] = get_kernel(key)
-    return compiled
-
-
-def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum, *,
-                  q_positions=None, dlse=None, dpsum_out=None):
-    """Runs the main kernel (its prologue computes dpsum and lse in log2 units); returns
-    ``dq [T, H, d_qk]`` (q's dtype) and adds the dkv gradient into ``dkv_accum`` (``[S, d_qk]``
-    float32, contiguous, 16-byte aligned; rows of empty slots are never touched).
-
-    Inputs: ``dout``, ``out`` ``[T, H, d_v]`` and ``q [T, H, d_qk]``, ``kv [S, d_qk]``, all of one
-    dtype (bf16 or fp16); ``indices [T, topk]`` int32; ``topk_length [T]`` or None; ``lse
-    [T, H]`` float32, natural log (-inf for a row without a valid slot; with an attention sink,
-    the forward's lse, which includes it); ``o_lo [T, H, d_v]`` in q's dtype or empty (dpsum
-    from ``out`` alone); ``sm_scale`` float; ``d_v`` 512. Keyword-only: ``q_positions [T]``
-    int32 (causal: slots naming a key past the token's position are empty), ``dlse [T, H]``
-    float32 (the gradient reaching lse: the kernel uses ``dpsum - dlse``) and ``dpsum_out
-    [T, H]`` float32, contiguous, which receives ``dpsum - dlse`` (for the sink's gradient).
-
-    ``dkv_accum`` is in the kernel's **interleaved column order** (see :func:`dkv_interleave`):
-    columns are permuted within aligned groups of 16, rows are not moved. A zeroed buffer needs no
-    conversion; read the result with :func:`dkv_deinterleave` (or :func:`dkv_from_accum`), and
-    seed a non-zero buffer with :func:`dkv_interleave`.
-
-    Raises:
-        ValueError: unsupported shapes/dtypes, or a misaligned/non-contiguous ``dkv_accum``.
-    """
-    T, H, d_qk = q.shape
-    S = kv.shape[0]
-    if (d_qk, d_v) not in SUPPORTED_DIMS:
-        raise ValueError(f"sm90 backward supports (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}")
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype or dout.dtype != q.dtype:
-        raise ValueError(f"sm90 backward needs q, kv, dout of one dtype, bf16 or fp16; got "
-                         f"{q.dtype}, {kv.dtype}, {dout.dtype}")
-    if kv.dim() != 2 or kv.shape[1] != d_qk or tuple(dout.shape) != (T, H, d_v) \
-            or tuple(out.shape) != (T, H, d_v) or tuple(lse.shape) != (T, H) \
-            or (o_lo.numel() > 0 and tuple(o_lo.shape) != (T, H, d_v)):
-        raise ValueError(f"shapes: q {tuple(q.shape)}, kv {tuple(kv.shape)} (need [S, d_qk]), dout "
-                         f"{tuple(dout.shape)} and out {tuple(out.shape)} (need [T, H, d_v]), lse "
-                         f"{tuple(lse.shape)} (need [T, H]), o_lo {tuple(o_lo.shape)} (need "
-                         f"[T, H, d_v] or empty)")
-    if out.dtype != q.dtype or o_lo.dtype != q.dtype or lse.dtype != torch.float32:
-        raise ValueError(f"out and o_lo must have q's dtype and lse float32; got {out.dtype}, "
-                         f"{o_lo.dtype}, {lse.dtype}")
-    if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != T:
-        raise ValueError(f"indices must be int32 [T, topk], got {indices.dtype} {tuple(indices.shape)}")
-    if (dkv_accum.dtype != torch.float32 or tuple(dkv_accum.shape) != (S, d_qk)
-            or not dkv_accum.is_contiguous() or dkv_accum.data_ptr() % 16 != 0):
-        raise ValueError("dkv_accum must be a contiguous, 16-byte aligned float32 [S, d_qk] tensor")
-    if dpsum_out is not None and (dpsum_out.dtype != torch.float32 or tuple(dpsum_out.shape) != (T, H)
-                                  or not dpsum_out.is_contiguous()):
-        raise ValueError("dpsum_out must be a contiguous float32 [T, H] tensor")
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if T == 0 or H == 0:
-        return dq
-    tlen = None if topk_length is None else topk_length.to(torch.int32).contiguous()
-    qpos = None if q_positions is None else q_positions.to(torch.int32).contiguous()
-    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-    has_o_lo = o_lo.numel() > 0
-    fn = get_kernel(compile_key(q.dtype, H, d_qk, d_v, tlen is not None, has_o_lo,
-                                has_positions=qpos is not None, has_dlse=dlse is not None,
-                                writes_dpsum=dpsum_out is not None))
-    q, kv, dout, out = (contiguous_aligned(x) for x in (q, kv, dout, out))
-    fn(q, kv, dout, out, contiguous_aligned(o_lo) if has_o_lo else None, lse.contiguous(),
-       indices.contiguous(), tlen, dq, dkv_accum, qpos, dlse, dpsum_out, float(sm_scale))
-    return dq
-
-
-def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, *,
-             q_positions=None, attn_sink=None, dlse=None):
-    """The whole SM90 backward: returns ``(dq, dkv, d_sink)``, ``dq [T, H, d_qk]`` in q's dtype,
-    ``dkv [S, d_qk]`` in kv's dtype (fp32 accumulation, empty slots never written) and, when
-    ``attn_sink [H]`` float32 is given, ``d_sink [H]`` float32 ``= -sum_t exp(sink - lse) *
-    (dpsum - dlse)`` (else None). Inputs as :func:`backward_into`.
-
-    Raises:
-        ValueError: as :func:`backward_into`.
-        CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
-    """
-    dkv_accum = torch.zeros(kv.shape[0], q.shape[2], dtype=torch.float32, device=kv.device)
-    dpsum = None
-    if attn_sink is not None:
-        dpsum = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
-    dq = backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum,
-                       q_positions=q_positions, dlse=dlse, dpsum_out=dpsum)
-    d_sink = None
-    if attn_sink is not None:
-        p_sink = torch.exp(attn_sink.float()[None, :] - lse)  # the sink's probability per row
-        p_sink = torch.where(torch.isneginf(lse), 0.0, p_sink)
-        d_sink = -(p_sink * dpsum).sum(0)
-    return dq, dkv_from_accum(dkv_accum, kv.dtype), d_sink
-
-
-def dkv_from_accum(dkv_accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Postprocess: the interleaved accumulator ``dkv_accum [S, d]`` (float32 from the kernel; ``d``
-    a multiple of 16) -> plain-order ``[S, d]`` dkv in ``dtype``, one fused un-interleave + cast
-    (see :func:`dkv_interleave` for the order)."""
-    S, d = dkv_accum.shape
-    dkv = torch.empty(S, d, dtype=dtype, device=dkv_accum.device)
-    dkv.view(S, d // _GROUP, 2, 4, 2).copy_(dkv_accum.view(S, d // _GROUP, 4, 2, 2).permute(0, 1, 3, 2, 4))
-    return dkv

@@ -1,22 +1,17 @@
-"""What the SM90 kernels (:mod:`.fwd`, :mod:`.bwd`, :mod:`.indexer`) share: the natural-log /
-log2 constants, the byte offsets of the 128-byte-swizzled tiles their producers fill with
-``cp.async``, the CuTe DSL target-architecture switch for compiling without a GPU, the
-host-side alignment of inputs, and the symbolic fake inputs the gather kernels compile against.
+"""What the SM90 kernels (:mod:`.fwd`, :mod:`.bwd`, :mod:`.indexer`) share: the byte offsets
+of the 128-byte-swizzled tiles their producers fill with ``cp.async``, the CuTe DSL
+target-architecture switch for compiling without a GPU, and the symbolic fake inputs the gather
+kernels compile against. It imports the CuTe DSL; what the launchers share is in :mod:`.host`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import NamedTuple, Optional
-
-import torch
 
 import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32
 
-LN2 = math.log(2.0)
-LOG2E = math.log2(math.e)
 SWIZZLE_CHUNK_ROWS = 64  # rows of one 64-column chunk of a swizzled tile
 TORCH_TO_CUTE = {"bfloat16": BFloat16, "float16": Float16}
 
@@ -41,13 +36,6 @@ def target_arch(arch: str):
         yield
     finally:
         envar.arch = previous
-
-
-def contiguous_aligned(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (any shape and dtype) if it is contiguous and starts 16-byte aligned, else a
-    contiguous copy that does (the kernels read 16-byte vectors). Raises nothing."""
-    x = x.contiguous()
-    return x if x.data_ptr() % 16 == 0 else x.clone()
 
 
 class FakeInputs(NamedTuple):

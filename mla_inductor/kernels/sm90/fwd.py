@@ -104,10 +104,6 @@ Design (decisions, in the order they were taken)
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
@@ -115,13 +111,12 @@ from cutlass import BFloat16, Boolean, Float16, Float32, Int32, Int64, const_exp
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from ..cache import KernelCache
 from . import SUPPORTED_DIMS
-from .common import (LN2, LOG2E, TORCH_TO_CUTE, contiguous_aligned, fake_inputs,
-                     sw128_offset_bytes)
+from .common import TORCH_TO_CUTE, fake_inputs, sw128_offset_bytes
+from .host import FWD_TILE_H, LN2, LOG2E
 from .ptx import cp_async_4, cp_async_16, cp_async_wait_all, create_policy, st_global_v4_b32
 
-TILE_H = 64  # heads per CTA (wgmma M)
+TILE_H = FWD_TILE_H  # heads per tile (wgmma M)
 TILE_N = 64  # gathered keys per block
 NUM_THREADS = 384
 # setmaxnreg moves registers within the launch allocation (168 x 384): 168 - 56 = 2 x (224 - 168)
@@ -858,7 +853,7 @@ class SparseMlaFwdSm90:
 
 
 # ------------------------------------------------------------------------------------------------
-# host side
+# compiling (the launcher is in fwd_host.py)
 # ------------------------------------------------------------------------------------------------
 
 def compile_forward(dtype_name: str, d_qk: int, d_v: int, rescale_threshold: float,
@@ -869,7 +864,7 @@ def compile_forward(dtype_name: str, d_qk: int, d_v: int, rescale_threshold: flo
     ``dtype_name`` is ``"bfloat16"`` or ``"float16"``. T, H, S and topk are symbolic, so the
     result serves every size. Returns the TVM-FFI callable ``fn(q, kv, indices,
     topk_length_or_None, out, lse, o_lo_or_None, q_positions_or_None, attn_sink_or_None,
-    max_logits_or_None, scale_log2)``.
+    max_logits_or_None, scale_log2, num_ctas)``.
     """
     dtype = TORCH_TO_CUTE[dtype_name]
     kernel = SparseMlaFwdSm90(dtype, d_qk, d_v, rescale_threshold, has_o_lo, has_topk_length,
@@ -886,102 +881,3 @@ def compile_forward(dtype_name: str, d_qk: int, d_v: int, rescale_threshold: flo
     return cute.compile(kernel, x.q, x.kv, x.indices, x.topk_length, out, x.lse, o_lo,
                         x.q_positions, sink, max_logits, Float32(1.0), Int32(1), stream,
                         options="--enable-tvm-ffi")
-
-
-_CACHE = KernelCache("mla_sm90_fwd")
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device``: the persistent grid (one CTA per SM)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def compile_key(dtype: torch.dtype, d_qk: int, d_v: int, rescale_threshold: float,
-                has_o_lo: bool, has_topk_length: bool, arch: str = "sm_90a", *,
-                has_positions: bool = False, has_sink: bool = False,
-                has_max_logits: bool = False) -> tuple:
-    """The static compile key: everything else (T, H, S, topk) is symbolic. The arch is last."""
-    return (str(dtype).removeprefix("torch."), int(d_qk), int(d_v), float(rescale_threshold),
-            bool(has_o_lo), bool(has_topk_length), bool(has_positions), bool(has_sink),
-            bool(has_max_logits), arch)
-
-
-def get_kernel(key: tuple):
-    """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now."""
-    return _CACHE.get(key, lambda: compile_forward(*key[:-1]))
-
-
-def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo, *,
-            q_positions=None, attn_sink=None, return_max_logits=False):
-    """Sparse-MLA forward on SM90.
-
-    Args:
-        q: ``[T, H, d_qk]`` bf16/fp16 CUDA tensor, 1 <= H (any; padded to 64 inside).
-        kv: ``[S, d_qk]`` (or ``[S, 1, d_qk]``), q's dtype.
-        indices: ``[T, topk]`` int32; values < 0 or >= S are empty slots (never read).
-        topk_length: ``[T]`` int32 or None; slots at positions >= topk_length[t] are empty.
-        sm_scale: softmax scale (float). d_v: 512. rescale_threshold: 0.0 (exact running max)
-            or a lazy threshold in log2 units (< 127 for bf16, < 15 for fp16).
-        return_o_lo: also return ``o_lo = float32(O) - out`` rounded to q's dtype.
-        q_positions: ``[T]`` int32 or None; when given (causal masking), a slot whose index is
-            greater than ``q_positions[t]`` is empty.
-        attn_sink: ``[H]`` float32 or None: one logit per head (natural-log units, like
-            ``sm_scale * q.k``) that joins the softmax denominator and has no value.
-        return_max_logits: also return the true maximum of ``sm_scale * q.k`` over each row's
-            valid slots (the sink not included; -inf for a row without one).
-
-    Returns:
-        ``(out [T, H, d_v] q.dtype, lse [T, H] fp32 natural log, o_lo [T, H, d_v] q.dtype or
-        empty, max_logits [T, H] fp32 or empty)``. A row without a valid slot has out 0 and lse
-        equal to its head's sink (-inf without a sink).
-
-    Raises:
-        ValueError / TypeError: unsupported shapes, head dims, device or dtypes.
-        CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
-    """
-    if kv.dim() == 3:
-        kv = kv.squeeze(1)
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
-        raise ValueError("sm90 forward: need q [T, H, d_qk], kv [S, d_qk], indices [T, topk]")
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
-        raise TypeError(f"sm90 forward: q and kv must both be bf16 or fp16, got {q.dtype}/{kv.dtype}")
-    T, H, d_qk = q.shape
-    if (d_qk, d_v) not in SUPPORTED_DIMS:
-        raise ValueError(f"sm90 forward: supports (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}")
-    if not q.is_cuda:
-        raise ValueError("sm90 forward: tensors must be on a CUDA device")
-    if kv.shape[1] != d_qk or indices.shape[0] != T:
-        raise ValueError(f"sm90 forward: shape mismatch q {tuple(q.shape)} kv {tuple(kv.shape)} "
-                         f"indices {tuple(indices.shape)}")
-    out = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
-    o_lo = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device) if return_o_lo else q.new_empty(0)
-    max_logits = (torch.empty(T, H, dtype=torch.float32, device=q.device) if return_max_logits
-                  else q.new_empty(0, dtype=torch.float32))
-    if T == 0 or H == 0:
-        return out, lse, o_lo, max_logits
-    if indices.shape[1] == 0:
-        out.zero_()
-        lse.copy_(attn_sink.float().expand(T, H) if attn_sink is not None
-                  else torch.full_like(lse, float("-inf")))
-        o_lo.zero_()
-        max_logits.fill_(float("-inf"))
-        return out, lse, o_lo, max_logits
-    q, kv = contiguous_aligned(q), contiguous_aligned(kv)
-    indices = indices.to(torch.int32).contiguous()
-    if topk_length is not None:
-        topk_length = topk_length.to(torch.int32).contiguous()
-    if q_positions is not None:
-        q_positions = q_positions.to(torch.int32).contiguous()
-    if attn_sink is not None:
-        attn_sink = attn_sink.to(torch.float32).contiguous()
-    key = compile_key(q.dtype, d_qk, d_v, rescale_threshold, return_o_lo, topk_length is not None,
-                      has_positions=q_positions is not None, has_sink=attn_sink is not None,
-                      has_max_logits=return_max_logits)
-    kernel = get_kernel(key)
-    n_tiles = T * ((H + TILE_H - 1) // TILE_H)
-    kernel(q, kv, indices, topk_length, out, lse, o_lo if return_o_lo else None, q_positions,
-           attn_sink, max_logits if return_max_logits else None, float(sm_scale) * LOG2E,
-           min(n_tiles, _sm_count(q.device)))
-    return out, lse, o_lo, max_logits

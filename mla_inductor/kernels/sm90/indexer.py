@@ -83,8 +83,6 @@ The call allocates only its output (peak memory over the inputs = the ``[T, topk
 
 from __future__ import annotations
 
-import torch
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
@@ -92,15 +90,14 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from ..cache import KernelCache
-from .common import (LOG2E, TORCH_TO_CUTE, contiguous_aligned, fake_inputs,
-                     sw128_offset_bytes, target_arch)
+from . import INDEXER_D_QK as D_QK
+from . import INDEXER_TILE_HEADS as TILE_HEADS
+from .common import TORCH_TO_CUTE, fake_inputs, sw128_offset_bytes
+from .host import LOG2E
 from .ptx import cp_async_16, cp_async_wait_all, create_policy
 
 TILE_KEYS = 64  # gathered keys per block (wgmma M)
 CHUNK = 64  # columns per ring slot (one 128-byte swizzle atom of 2-byte elements)
-TILE_HEADS = (64, 128)  # wgmma N: the heads of one token, padded
-D_QK = (576, 512)
 NUM_THREADS = 384
 REGS_PRODUCER, REGS_CONSUMER = 56, 224  # see the forward: 168 - 56 = 2 x (224 - 168)
 SMEM_LIMIT = 227 * 1024  # per CTA on SM90
@@ -421,20 +418,8 @@ class IndexerTargetSm90:
 
 
 # ------------------------------------------------------------------------------------------------
-# host side
+# compiling (the launcher is in indexer_host.py)
 # ------------------------------------------------------------------------------------------------
-
-def tile_heads_for(num_heads: int) -> int:
-    """The head tile (wgmma N) for ``num_heads``: 64 up to 64 heads, else 128.
-
-    Raises:
-        ValueError: above 128 heads.
-    """
-    if not 1 <= num_heads <= TILE_HEADS[-1]:
-        raise ValueError(f"sparse_mla: the sm90 indexer target supports 1 to {TILE_HEADS[-1]} "
-                         f"heads, got {num_heads}")
-    return next(n for n in TILE_HEADS if num_heads <= n)
-
 
 def compile_target(dtype_name: str, d_qk: int, tile_heads: int, has_topk_length: bool,
                    has_positions: bool):
@@ -451,91 +436,3 @@ def compile_target(dtype_name: str, d_qk: int, tile_heads: int, has_topk_length:
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(kernel, x.q, x.kv, x.indices, x.topk_length, x.q_positions, x.lse,
                         target, Float32(1.0), stream, options="--enable-tvm-ffi")
-
-
-_CACHE = KernelCache("mla_sm90_indexer_target")
-
-
-def compile_key(dtype: torch.dtype, d_qk: int, tile_heads: int, has_topk_length: bool,
-                has_positions: bool, arch: str = "sm_90a") -> tuple:
-    """The static compile key: everything else (T, H, S, topk) is symbolic. The arch is last."""
-    return (str(dtype).removeprefix("torch."), int(d_qk), int(tile_heads), bool(has_topk_length),
-            bool(has_positions), arch)
-
-
-def get_kernel(key: tuple):
-    """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now."""
-    return _CACHE.get(key, lambda: compile_target(*key[:-1]))
-
-
-def precompile_target(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576,
-                      heads=(128,), topk_length=(False, True), positions=(False, True)) -> dict:
-    """Compiles the indexer-target kernels for ``arch`` without a GPU, for every combination of
-    ``dtypes`` x ``heads`` (their head tiles) x ``topk_length`` x ``positions``; returns
-    ``{compile_key: fn}`` (also cached).
-
-    Raises:
-        ValueError: for an arch other than ``sm_90a``, or a head count above 128.
-    """
-    if arch != "sm_90a":
-        raise ValueError(f"sm90 indexer target: cannot compile for {arch!r}; use 'sm_90a'")
-    compiled = {}
-    with target_arch(arch):
-        for dtype in dtypes:
-            for tile in sorted({tile_heads_for(h) for h in heads}):
-                for with_len in topk_length:
-                    for with_pos in positions:
-                        key = compile_key(dtype, d_qk, tile, with_len, with_pos, arch)
-                        compiled[key] = get_kernel(key)
-    return compiled
-
-
-def indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale):
-    """The indexer's training target on SM90 (the module docstring).
-
-    Args:
-        q: ``[T, H, d_qk]`` bf16/fp16 CUDA tensor, 1 <= H <= 128, d_qk 576 or 512.
-        kv: ``[S, d_qk]``, q's dtype.
-        indices: ``[T, topk]`` int32; values < 0 or >= S are empty slots (never read).
-        topk_length: ``[T]`` int32 or None; slots at positions >= topk_length[t] are empty.
-        q_positions: ``[T]`` int32 or None; a slot whose index is greater than
-            ``q_positions[t]`` is empty.
-        lse: ``[T, H]`` float32, the forward's natural-log lse (the sink included).
-        sm_scale: the forward's softmax scale (float).
-
-    Returns:
-        ``target [T, topk]`` float32, contiguous.
-
-    Raises:
-        ValueError / TypeError: unsupported shapes, head counts, widths, device or dtypes.
-        CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
-    """
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2 or lse.dim() != 2:
-        raise ValueError("sparse_mla: sm90 indexer target needs q [T, H, d_qk], kv [S, d_qk], "
-                         "indices [T, topk], lse [T, H]")
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
-        raise TypeError(f"sparse_mla: sm90 indexer target takes q and kv both bf16 or fp16, got "
-                        f"{q.dtype}/{kv.dtype}")
-    T, H, d_qk = q.shape
-    if d_qk not in D_QK or kv.shape[1] != d_qk:
-        raise ValueError(f"sparse_mla: sm90 indexer target supports d_qk in {D_QK}, got q "
-                         f"{tuple(q.shape)}, kv {tuple(kv.shape)}")
-    if indices.shape[0] != T or tuple(lse.shape) != (T, H):
-        raise ValueError(f"sparse_mla: sm90 indexer target: shape mismatch q {tuple(q.shape)} "
-                         f"indices {tuple(indices.shape)} lse {tuple(lse.shape)}")
-    if not q.is_cuda:
-        raise ValueError("sparse_mla: sm90 indexer target needs tensors on a CUDA device")
-    tile = tile_heads_for(H)
-    if T == 0 or indices.shape[1] == 0 or kv.shape[0] == 0:
-        return torch.zeros(indices.shape, dtype=torch.float32, device=q.device)
-    target = torch.empty(indices.shape, dtype=torch.float32, device=q.device)
-    q, kv = contiguous_aligned(q), contiguous_aligned(kv)
-    indices = indices.to(torch.int32).contiguous()
-    if topk_length is not None:
-        topk_length = topk_length.to(torch.int32).contiguous()
-    if q_positions is not None:
-        q_positions = q_positions.to(torch.int32).contiguous()
-    key = compile_key(q.dtype, d_qk, tile, topk_length is not None, q_positions is not None)
-    get_kernel(key)(q, kv, indices, topk_length, q_positions, lse.float().contiguous(), target,
-                    float(sm_scale) * LOG2E)
-    return target
