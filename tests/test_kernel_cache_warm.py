@@ -3,7 +3,8 @@ fresh process loads with TVM-FFI alone, never importing the CuTe DSL (``cutlass`
 compiler the object file is written and loaded through the DSL, as before. CPU only: the kernel
 compiles for sm_90a without a GPU, and the DSL's runtime library opens libcuda only at a
 kernel's first call, so loading works here too. The directory rules, concurrent writers and
-unwritable folders are in ``tests/test_kernel_cache.py``."""
+unwritable folders are in ``tests/test_kernel_cache.py``. On an SM90 GPU one more test runs the
+kernels a fresh process loaded from their libraries: on a side stream and in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -188,3 +189,61 @@ def test_the_runtime_library_is_the_one_the_cute_dsl_uses(tmp_path, monkeypatch)
     assert sharedlib._cute_dsl_runtime() == os.path.realpath(flavours[0])
     monkeypatch.setenv(sharedlib.RUNTIME_ENV, os.pathsep.join(["/elsewhere/libfoo.so", theirs]))
     assert sharedlib._cute_dsl_runtime() == os.path.realpath(theirs)
+
+
+# In a fresh interpreter, with the disk cache the parent filled: the training forward and the
+# backward from their shared libraries, on a side stream and replayed from a CUDA graph.
+GPU_WARM_START = """
+import sys
+import torch
+from mla_inductor.kernels.sm90 import bwd_host, fwd_host
+
+q, kv, indices, dout, out, lse, o_lo, dq, dkv = torch.load(sys.argv[1])
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    got = fwd_host.forward(q, kv, indices, None, 576**-0.5, 512, 0.0, True)
+    got_dq, got_dkv, _ = bwd_host.backward(dout, q, kv, indices, None, out, lse, o_lo, 576**-0.5,
+                                           512)
+torch.cuda.current_stream().wait_stream(side)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    in_graph = fwd_host.forward(q, kv, indices, None, 576**-0.5, 512, 0.0, True)
+graph.replay()
+torch.cuda.synchronize()
+print(all(torch.equal(a, b) for a, b in zip((out, lse, o_lo), got[:3])))
+print(all(torch.equal(a, b) for a, b in zip((out, lse, o_lo), in_graph[:3])))
+print(torch.equal(dq, got_dq))
+print(((got_dkv.float() - dkv.float()).norm() / dkv.float().norm()).item() < 1e-3)
+print(sorted(m for m in sys.modules if m.split(".")[0] == "cutlass"))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="needs an SM90 GPU")
+@needs_linker
+def test_kernels_loaded_from_their_libraries_run_on_the_current_stream_and_in_a_graph(
+        disk, tmp_path):
+    """The parent compiles (filling the disk cache) and computes a training forward and a
+    backward; a fresh process loads both kernels from their shared libraries (no CuTe DSL) and
+    must get the forward bitwise on a side stream and from a replayed CUDA graph, dq bitwise,
+    and dkv (fp32 atomics: order-dependent) within 1e-3."""
+    from mla_inductor.kernels.sm90 import bwd_host
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    T, H, S, topk = 300, 128, 1024, 512
+    q = torch.randn(T, H, 576, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(S, 576, device="cuda", generator=g).bfloat16()
+    indices = torch.randint(0, S, (T, topk), device="cuda", generator=g, dtype=torch.int32)
+    dout = torch.randn(T, H, 512, device="cuda", generator=g).bfloat16()
+    out, lse, o_lo, _ = fwd_host.forward(q, kv, indices, None, 576**-0.5, 512, 0.0, True)
+    dq, dkv, _ = bwd_host.backward(dout, q, kv, indices, None, out, lse, o_lo, 576**-0.5, 512)
+    assert len(list(disk.rglob("*.so"))) == 2  # the forward's and the backward's
+    saved = tmp_path / "case.pt"
+    torch.save((q, kv, indices, dout, out, lse, o_lo, dq, dkv), saved)
+    done = subprocess.run([sys.executable, "-c", GPU_WARM_START, str(saved)], cwd=REPO,
+                          env={**os.environ, DISK_CACHE_ENV: str(disk)}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr  # also: a clean exit
+    assert done.stdout.splitlines() == ["True", "True", "True", "True", "[]"]
