@@ -3,7 +3,7 @@ SM90 GPU each subcommand exits with a message naming why (the benchmarks themsel
 H200, see README); ``hf --tiny``'s CPU smoke run and its layer's modes agreeing; ``dist --tiny``
 on 2 gloo ranks (tensor and context parallel equal to one process, their collectives) and its
 ``--train`` run (the losses of one process trained here, tensor and context parallel equal to
-them); on a GPU, the timers."""
+them); ``start --tiny``'s three fresh processes; on a GPU, the timers."""
 
 import re
 import subprocess
@@ -17,7 +17,8 @@ from conftest import rel_l2
 from mla_inductor.bench import cli, dist, dist_train, hf, timing
 
 
-@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["indexer"], ["hf"], ["dist"]])
+@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["indexer"], ["hf"], ["dist"],
+                                  ["start"]])
 def test_help_at_every_level(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*argv, "--help"])
@@ -52,7 +53,7 @@ def test_indexer_parser_defaults_and_flags():
 def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
     run = [sys.executable, "-m", "mla_inductor.bench"]
     shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0 and "{fwd,bwd,train,indexer,hf,dist}" in shown.stdout
+    assert shown.returncode == 0 and "{fwd,bwd,train,indexer,hf,dist,start}" in shown.stdout
     wrong = subprocess.run([*run, "fw"], capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "invalid choice: 'fw'" in wrong.stderr
 
@@ -64,7 +65,23 @@ def test_cli_exits_with_reason_without_sm90(what):
         cli.main([what, "--T", "128"])
     # the subcommands with a CPU smoke test say so
     assert ("--tiny runs a small smoke test on the CPU" in str(exited.value)) == (
-        what in ("hf", "dist"))
+        what in ("hf", "dist", "start"))
+
+
+def test_start_tiny_times_three_fresh_processes(capsys):
+    """``start --tiny``: three fresh interpreters (cold, warm, warm again) each time their phases;
+    the optimizer's construction imports torch._dynamo in the set-up, and the reference backend
+    never imports the CuTe DSL."""
+    cli.main(["start", "--tiny"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith(("| cold", "| warm"))]
+    assert [r[0] for r in rows] == ["| cold", "| warm", "| warm again"]
+    for r in rows:
+        cuda, imp, setup, step, after, ours = (float(x) for x in r[1:7])
+        assert min(cuda, imp, setup, step) > 0
+        assert after == pytest.approx(imp + setup + step, abs=0.011)
+        assert ours == pytest.approx(imp + step, abs=0.011)
+        assert r[7] == "no |"
 
 
 def test_the_command_imports_no_transformers():

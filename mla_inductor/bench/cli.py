@@ -1,4 +1,4 @@
-"""The command ``python -m mla_inductor.bench {fwd,bwd,train,indexer,hf,dist} [flags]``: one
+"""The command ``python -m mla_inductor.bench {fwd,bwd,train,indexer,hf,dist,start} [flags]``: one
 argument parser with a subcommand per benchmark module (:data:`SUBCOMMANDS`); ``--help`` works at
 every level."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from . import bwd, dist, fwd, hf, indexer, train
+from . import bwd, dist, fwd, hf, indexer, start, train
 
-SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer": indexer, "hf": hf, "dist": dist}
+SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer": indexer, "hf": hf, "dist": dist,
+               "start": start}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,8 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     description the whole docstring, its flags the module's ``add_arguments``."""
     parser = argparse.ArgumentParser(
         prog="python -m mla_inductor.bench",
-        description="Benchmarks of the sparse-MLA kernels on the current GPU (SM90); hf and dist "
-        "also run a small smoke test on the CPU with --tiny. Each subcommand prints a markdown "
+        description="Benchmarks of the sparse-MLA kernels on the current GPU (SM90); hf, dist "
+        "and start also run a small smoke test on the CPU with --tiny. Each subcommand prints a markdown "
         "table; `<subcommand> --help` lists its flags.",
     )
     sub = parser.add_subparsers(dest="command", required=True,
