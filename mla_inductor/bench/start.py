@@ -7,8 +7,8 @@ optimizer imports ``torch._dynamo``, 1.5-4 s, in any training program), then the
 step: ``sparse_mla(q, kv, indices)`` (a training forward), ``backward`` and ``optimizer.step()``,
 synchronised. Three runs share one new kernel cache folder (``MLA_INDUCTOR_KERNEL_CACHE``, a
 temporary folder, removed afterwards): **cold** (the cache is empty: the step compiles the
-training forward and the backward), then **warm** twice (the kernels are loaded from the cache:
-:mod:`mla_inductor.kernels.cache`).
+training forward and the backward), then **warm** twice (the kernels come from the cache as
+shared libraries, without importing the CuTe DSL: :mod:`mla_inductor.kernels.cache`).
 
 "after CUDA" = import + set-up + first step; "ours" = import + first step, what this package
 adds to a training program's start. Sizes: d_qk 576, d_v 512, topk 2048, S = 2T, bf16 on the
