@@ -491,15 +491,9 @@ class SparseMlaFwdSm90:
                         self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 0, self.half_chunks,
                                  self.n_chunks, False)
                         warpgroup.commit_group()
-                        warpgroup.wait_group(0)
-                        if it == n_pairs - 1:
-                            cute.arch.mbarrier_arrive(mbar_q_empty)  # the tile's last read of Q
-
+                        self._block_max(acc_S, valid, bmax, true_max, scale_log2, mbar_q_empty,
+                                        it == n_pairs - 1)
                         # softmax of the own block against the running max, max published to B
-                        self._mask_rowmax(acc_S, valid, bmax, scale_log2)
-                        if const_expr(self.track_true_max):
-                            true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
-                            true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
                         m_pair[0] = self._new_max(row_max[0], bmax[0])
                         m_pair[1] = self._new_max(row_max[1], bmax[1])
                         if lane % 4 == 0:
@@ -570,14 +564,8 @@ class SparseMlaFwdSm90:
                         warpgroup.fence()
                         self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 1, 0, self.half_chunks, False)
                         warpgroup.commit_group()
-                        warpgroup.wait_group(0)
-                        if it == n_pairs - 1:
-                            cute.arch.mbarrier_arrive(mbar_q_empty)  # the tile's last read of Q
-
-                        self._mask_rowmax(acc_S, valid, bmax, scale_log2)
-                        if const_expr(self.track_true_max):
-                            true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
-                            true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
+                        self._block_max(acc_S, valid, bmax, true_max, scale_log2, mbar_q_empty,
+                                        it == n_pairs - 1)
                         cute.arch.barrier(barrier_id=BAR_MAX_A, number_of_threads=256)
                         m_pair[0] = self._new_max(sMa[row0], bmax[0])
                         m_pair[1] = self._new_max(sMa[row1], bmax[1])
@@ -720,6 +708,19 @@ class SparseMlaFwdSm90:
         for k in cutlass.range_constexpr(c_lo * 4, c_hi * 4):
             cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
             mma.set(warpgroup.Field.ACCUMULATE, True)
+
+    @cute.jit
+    def _block_max(self, acc_S, valid, bmax, true_max, scale_log2, mbar_q_empty, last):
+        """Once the own block's ``S`` is complete: frees Q after the tile's ``last`` pair, masks
+        ``S`` and takes its scaled row maxima ``bmax`` (and the true maxima, see
+        ``track_true_max``)."""
+        warpgroup.wait_group(0)
+        if last:
+            cute.arch.mbarrier_arrive(mbar_q_empty)  # the tile's last read of Q
+        self._mask_rowmax(acc_S, valid, bmax, scale_log2)
+        if const_expr(self.track_true_max):
+            true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
+            true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
 
     @cute.jit
     def _mask_rowmax(self, acc_S, valid, bmax, scale_log2):
