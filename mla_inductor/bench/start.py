@@ -1,4 +1,4 @@
-"""start: seconds from ``import mla_inductor`` to the end of a first training step, in fresh processes.
+"""start: seconds from ``import mla_inductor`` to a first training step's end, fresh processes.
 
 Every run is a new Python interpreter (``subprocess``) timing, in order: CUDA start-up (``import
 torch`` and a first tensor on the device), ``import mla_inductor``, the set-up (the layer's

@@ -461,13 +461,9 @@ class SparseMlaFwdSm90:
                 tSsP = thr_qk.partition_C(sP_a)[None, None, None, pa_idx]  # own P, for B
                 tOsP = thr_ss.make_fragment_A(thr_ss.partition_A(sP_b))  # B's P
                 for k in cutlass.range(n_mine, unroll=1):
-                    t, h0, n_valid, n_pairs = self._tile(bidx + k * grid_x, n_head_tiles,
-                                                         mTopkLen, topk)
-                    self._reset(acc_O, row_max, row_sum, true_max)
-                    cute.arch.mbarrier_wait(mbar_q, k & 1)
-                    cute.arch.fence_view_async_shared()
-                    if const_expr(self.has_sink):
-                        self._read_sink(sink2, sSink, h0, num_heads, row0, row1)
+                    t, h0, n_pairs = self._start_tile(
+                        k, bidx + k * grid_x, n_head_tiles, mTopkLen, topk, num_heads, acc_O,
+                        row_max, row_sum, true_max, mbar_q, sink2, sSink, row0, row1)
                     for it in cutlass.range(n_pairs, unroll=1):
                         phase = (pairs_done + it) & 1
                         cute.arch.mbarrier_wait(mbar_full + 0, phase)
@@ -486,15 +482,9 @@ class SparseMlaFwdSm90:
                         self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 0, self.half_chunks,
                                  self.n_chunks, False)
                         warpgroup.commit_group()
-                        warpgroup.wait_group(0)
-                        if it == n_pairs - 1:
-                            cute.arch.mbarrier_arrive(mbar_q_empty)  # the tile's last read of Q
-
+                        self._block_max(acc_S, valid, bmax, true_max, scale_log2, mbar_q_empty,
+                                        it == n_pairs - 1)
                         # softmax of the own block against the running max, max published to B
-                        self._mask_rowmax(acc_S, valid, bmax, scale_log2)
-                        if const_expr(self.track_true_max):
-                            true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
-                            true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
                         m_pair[0] = self._new_max(row_max[0], bmax[0])
                         m_pair[1] = self._new_max(row_max[1], bmax[1])
                         if lane % 4 == 0:
@@ -545,13 +535,9 @@ class SparseMlaFwdSm90:
                 tSsP = thr_qk.partition_C(sP_b)[None, None, None, pb_idx]  # own P, for A
                 tOsP = thr_ss.make_fragment_A(thr_ss.partition_A(sP_a))  # A's P
                 for k in cutlass.range(n_mine, unroll=1):
-                    t, h0, n_valid, n_pairs = self._tile(bidx + k * grid_x, n_head_tiles,
-                                                         mTopkLen, topk)
-                    self._reset(acc_O, row_max, row_sum, true_max)
-                    cute.arch.mbarrier_wait(mbar_q, k & 1)
-                    cute.arch.fence_view_async_shared()
-                    if const_expr(self.has_sink):
-                        self._read_sink(sink2, sSink, h0, num_heads, row0, row1)
+                    t, h0, n_pairs = self._start_tile(
+                        k, bidx + k * grid_x, n_head_tiles, mTopkLen, topk, num_heads, acc_O,
+                        row_max, row_sum, true_max, mbar_q, sink2, sSink, row0, row1)
                     for it in cutlass.range(n_pairs, unroll=1):
                         phase = (pairs_done + it) & 1
                         cute.arch.mbarrier_wait(mbar_full + 3, phase)
@@ -565,14 +551,8 @@ class SparseMlaFwdSm90:
                         warpgroup.fence()
                         self._qk(tiled_mma_qk, acc_S, tSrQ, tSrK, 1, 0, self.half_chunks, False)
                         warpgroup.commit_group()
-                        warpgroup.wait_group(0)
-                        if it == n_pairs - 1:
-                            cute.arch.mbarrier_arrive(mbar_q_empty)  # the tile's last read of Q
-
-                        self._mask_rowmax(acc_S, valid, bmax, scale_log2)
-                        if const_expr(self.track_true_max):
-                            true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
-                            true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
+                        self._block_max(acc_S, valid, bmax, true_max, scale_log2, mbar_q_empty,
+                                        it == n_pairs - 1)
                         cute.arch.barrier(barrier_id=BAR_MAX_A, number_of_threads=256)
                         m_pair[0] = self._new_max(sMa[row0], bmax[0])
                         m_pair[1] = self._new_max(sMa[row1], bmax[1])
@@ -605,20 +585,24 @@ class SparseMlaFwdSm90:
                     pairs_done = pairs_done + n_pairs
 
     @cute.jit
-    def _read_sink(self, sink2, sSink, h0, num_heads, row0, row1):
-        """The tile's sinks of rows ``row0`` / ``row1`` times log2(e); -inf for heads past H."""
-        rows = [row0, row1]
-        for r in cutlass.range_constexpr(2):
-            sink2[r] = cutlass.select_(h0 + rows[r] < num_heads,
-                                       sSink[rows[r]] * Float32(LOG2E), -Float32.inf)
-
-    @cute.jit
-    def _reset(self, acc_O, row_max, row_sum, true_max):
-        """A consumer's per-tile state at the start of a tile."""
+    def _start_tile(self, k, tile, n_head_tiles, mTopkLen, topk, num_heads, acc_O, row_max,
+                    row_sum, true_max, mbar_q, sink2, sSink, row0, row1):
+        """A consumer at the start of its ``k``-th tile ``tile``: per-tile state reset, waits
+        for the tile's Q, copies its rows' sinks times log2(e) (-inf past H) to registers;
+        returns the token, the first head and the pair count."""
+        t, h0, n_valid, n_pairs = self._tile(tile, n_head_tiles, mTopkLen, topk)
         acc_O.fill(0.0)
         row_max.fill(MAX_INIT)
         row_sum.fill(0.0)
         true_max.fill(-Float32.inf)
+        cute.arch.mbarrier_wait(mbar_q, k & 1)
+        cute.arch.fence_view_async_shared()
+        if const_expr(self.has_sink):
+            rows = [row0, row1]
+            for r in cutlass.range_constexpr(2):
+                sink2[r] = cutlass.select_(h0 + rows[r] < num_heads,
+                                           sSink[rows[r]] * Float32(LOG2E), -Float32.inf)
+        return t, h0, n_pairs
 
     @cute.jit
     def _epilogue(self, role: cutlass.Constexpr, acc_O, row_max, row_sum, true_max, psum, sL,
@@ -715,6 +699,19 @@ class SparseMlaFwdSm90:
         for k in cutlass.range_constexpr(c_lo * 4, c_hi * 4):
             cute.gemm(mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
             mma.set(warpgroup.Field.ACCUMULATE, True)
+
+    @cute.jit
+    def _block_max(self, acc_S, valid, bmax, true_max, scale_log2, mbar_q_empty, last):
+        """Once the own block's ``S`` is complete: frees Q after the tile's ``last`` pair, masks
+        ``S`` and takes its scaled row maxima ``bmax`` (and the true maxima, see
+        ``track_true_max``)."""
+        warpgroup.wait_group(0)
+        if last:
+            cute.arch.mbarrier_arrive(mbar_q_empty)  # the tile's last read of Q
+        self._mask_rowmax(acc_S, valid, bmax, scale_log2)
+        if const_expr(self.track_true_max):
+            true_max[0] = cute.arch.fmax(true_max[0], bmax[0])
+            true_max[1] = cute.arch.fmax(true_max[1], bmax[1])
 
     @cute.jit
     def _mask_rowmax(self, acc_S, valid, bmax, scale_log2):
