@@ -11,8 +11,8 @@ One set of checks, two variants (:class:`Setup`):
   d_v 512, S 512, topk 256 with empty slots and future keys), the sm90 backend; marked ``cuda``
   and skipped, with the reason, elsewhere. Each single-process result is computed on the rank's
   own GPU. out, lse, max_logits, dq and the indexer target must be **bitwise** equal: in the
-  sm90 kernels one CTA computes one token x one 64-head tile from that token's q, indices and
-  positions and the whole kv (``kernels/sm90/fwd.py``, ``bwd.py``: dq leaves the CTA from
+  sm90 kernels one CTA computes each tile (one token x 64 heads) from that token's q, indices
+  and positions and the whole kv (``kernels/sm90/fwd.py``, ``bwd.py``: dq leaves the CTA from
   registers; ``indexer.py``: one CTA per token with all its heads), the forward's compile key
   has no head count, the backward's static head count only masks heads >= H, so sharding heads
   in whole tiles or tokens (kv replicated or all-gathered, a bitwise copy) gives every CTA the
@@ -448,6 +448,27 @@ def test_four_ranks(four_ranks, name):
 @pytest.mark.parametrize("name", GPU_CHECKS)
 def test_two_gpus(two_gpus, name):
     _assert_passed(two_gpus, name)
+
+
+def _ranks_in_order(mesh, device):
+    """A rank's function for :func:`spawn`: its rank."""
+    return mesh.get_rank()
+
+
+def _refuse(mesh, device):
+    """A rank's function for :func:`spawn` that raises on every rank (before any collective, so
+    that no rank's error is a peer's lost connection)."""
+    raise ValueError(f"rank {mesh.get_rank()} refuses")
+
+
+def test_spawn_returns_every_rank_and_reports_a_rank_that_raised():
+    """Every rank's result in rank order, each rank leaving through ``os._exit(0)``; a rank's
+    exception reaches the caller with its message."""
+    import torch.multiprocessing as mp
+
+    assert spawn(_ranks_in_order, 2, "cpu") == [0, 1]
+    with pytest.raises(mp.ProcessRaisedException, match="rank [01] refuses"):
+        spawn(_refuse, 2, "cpu")
 
 
 def test_the_package_imports_without_torch_distributed():

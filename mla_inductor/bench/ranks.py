@@ -14,7 +14,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import tempfile
+import time
 from typing import Callable, Optional
 
 import torch
@@ -29,9 +31,9 @@ def device_name(device: torch.device) -> str:
 def _worker(rank: int, fn: Callable, ranks: int, device_type: str, args: tuple,
             timeout_s: Optional[float], folder: str) -> None:
     """One rank: joins the group (rendezvous in ``<folder>/store``), runs ``fn(mesh, device,
-    *args)``, writes its result to ``<folder>/rank<rank>.json`` and waits for every rank before
-    leaving the group (none tears its connections down while another still uses them); leaves it
-    whatever happens."""
+    *args)``, writes its result to ``<folder>/rank<rank>.json``, leaves the group once every
+    rank is done with it (see the comment at its end) and ends the process with ``os._exit(0)``;
+    on an exception it leaves the group and re-raises."""
     from torch.distributed.device_mesh import init_device_mesh
 
     group = dict(init_method="file://" + os.path.join(folder, "store"), rank=rank,
@@ -50,8 +52,28 @@ def _worker(rank: int, fn: Callable, ranks: int, device_type: str, args: tuple,
         with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Leaving: no rank tears the group down while another may still be finishing the barrier,
+    # and none closes its connections (by exiting) while another is still destroying the group;
+    # then the process ends at once. Leaving through the interpreter's normal shutdown, a gloo
+    # rank now and then died with "terminate called without an active exception" (SIGABRT; CI
+    # on 2 cores, 2026-12-01).
+    _all_reached(folder, "returned", rank, ranks)
+    dist.destroy_process_group()
+    _all_reached(folder, "destroyed", rank, ranks)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _all_reached(folder: str, point: str, rank: int, ranks: int) -> None:
+    """Marks ``point`` reached by ``rank`` (a file in ``folder``) and waits until every rank has
+    marked it. A rank that dies instead makes ``torch.multiprocessing.spawn`` stop the others."""
+    open(os.path.join(folder, f"{point}{rank}"), "w").close()
+    while not all(os.path.exists(os.path.join(folder, f"{point}{r}")) for r in range(ranks)):
+        time.sleep(0.005)
 
 
 def spawn(fn: Callable, ranks: int, device_type: str, args: tuple = (),
