@@ -121,7 +121,7 @@ from .common import (LN2, LOG2E, TORCH_TO_CUTE, contiguous_aligned, fake_inputs,
                      sw128_offset_bytes)
 from .ptx import cp_async_4, cp_async_16, cp_async_wait_all, create_policy, st_global_v4_b32
 
-TILE_H = 64  # heads per CTA (wgmma M)
+TILE_H = 64  # heads per tile (wgmma M)
 TILE_N = 64  # gathered keys per block
 NUM_THREADS = 384
 # setmaxnreg moves registers within the launch allocation (168 x 384): 168 - 56 = 2 x (224 - 168)
@@ -187,7 +187,7 @@ class SparseMlaFwdSm90:
         e = self.dtype.width // 8
         n = TILE_H * self.d_qk * e + 2 * self.stage_elems * e + self.n_p_tiles * TILE_H * TILE_N * e
         # sMa, sMb (64 fp32 each), sL (2 x 64 fp32), sValid (2 x 64 int32), with the lazy max and
-        # max_logits sMaxL (2 x 64 fp32), with a sink sSink (2 x 64 fp32); 10 mbarriers; each
+        # max_logits sMaxL (2 x 64 fp32), with a sink sSink (64 fp32); 10 mbarriers; each
         # allocation 16-byte aligned, plus slack
         words = 4 * TILE_H + 2 * TILE_N
         words += 2 * TILE_H if self.track_true_max else 0
