@@ -84,7 +84,15 @@ def run_fresh(code: str, env: dict) -> dict:
 
 
 def bench_start(T: int, H: int, topk: int, tiny: bool = False) -> None:
-    """Prints the table of the module docstring: one row per run of :data:`RUNS`."""
+    """Prints the table of the module docstring (seconds): one row per run of :data:`RUNS`, a
+    ``T``-token, ``H``-head layer with ``topk`` slots (S = 2T), bf16 on the SM90 kernels or, with
+    ``tiny``, float32 on the CPU with the reference backend.
+
+    Raises:
+        SystemExit: without ``tiny``, when the SM90 kernels cannot run here (the message says
+            why and that ``--tiny`` runs on the CPU).
+        RuntimeError: a fresh process failed (its output in the message).
+    """
     if not tiny:
         require_sm90("start-up", tiny=True)
     with tempfile.TemporaryDirectory(prefix="mla_inductor_start_") as folder:

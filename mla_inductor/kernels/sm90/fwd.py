@@ -182,7 +182,7 @@ class SparseMlaFwdSm90:
         e = self.dtype.width // 8
         n = TILE_H * self.d_qk * e + 2 * self.stage_elems * e + self.n_p_tiles * TILE_H * TILE_N * e
         # sMa, sMb (64 fp32 each), sL (2 x 64 fp32), sValid (2 x 64 int32), with the lazy max and
-        # max_logits sMaxL (2 x 64 fp32), with a sink sSink (2 x 64 fp32); 10 mbarriers; each
+        # max_logits sMaxL (2 x 64 fp32), with a sink sSink (64 fp32); 10 mbarriers; each
         # allocation 16-byte aligned, plus slack
         words = 4 * TILE_H + 2 * TILE_N
         words += 2 * TILE_H if self.track_true_max else 0
