@@ -12,7 +12,8 @@ import torch
 
 from ..cache import KernelCache
 from . import SUPPORTED_DIMS
-from .host import DKV_GROUP as _GROUP, contiguous_aligned
+from .host import DKV_GROUP as _GROUP
+from .host import compile_for_arch, contiguous_aligned
 
 _CACHE = KernelCache("mla_sm90_bwd")
 
@@ -36,12 +37,9 @@ def get_kernel(key: tuple):
 
 
 def _compile(key: tuple):
-    """Compiles the kernel of ``key``; the one place this module imports the CuTe DSL."""
-    from .bwd import compile_backward
-    from .common import target_arch
-
-    with target_arch(key[-1]):
-        return compile_backward(*key[:-1])
+    """Compiles the kernel of ``key`` (:func:`.host.compile_for_arch`): the one place this
+    module imports the CuTe DSL."""
+    return compile_for_arch("bwd", "compile_backward", key)
 
 
 def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads=(128,),

@@ -13,7 +13,7 @@ import torch
 
 from ..cache import KernelCache
 from . import SUPPORTED_DIMS
-from .host import FWD_TILE_H, LOG2E, contiguous_aligned
+from .host import FWD_TILE_H, LOG2E, compile_for_arch, contiguous_aligned
 
 _CACHE = KernelCache("mla_sm90_fwd")
 
@@ -35,12 +35,9 @@ def get_kernel(key: tuple):
 
 
 def _compile(key: tuple):
-    """Compiles the kernel of ``key``; the one place this module imports the CuTe DSL."""
-    from .common import target_arch
-    from .fwd import compile_forward
-
-    with target_arch(key[-1]):
-        return compile_forward(*key[:-1])
+    """Compiles the kernel of ``key`` (:func:`.host.compile_for_arch`): the one place this
+    module imports the CuTe DSL."""
+    return compile_for_arch("fwd", "compile_forward", key)
 
 
 def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo, *,

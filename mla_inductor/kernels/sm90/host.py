@@ -1,10 +1,13 @@
 """What the SM90 launchers (:mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_host`) share
 with the kernels without the CuTe DSL: the natural-log / log2 constants, the forward's head
-tile, the dkv accumulator's interleave group, and the host-side alignment of inputs. Importing it never imports ``cutlass``.
+tile, the dkv accumulator's interleave group, the host-side alignment of inputs, and the one
+call through which a launcher compiles (and only then imports ``cutlass``). Importing it never
+imports ``cutlass``.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
@@ -20,3 +23,15 @@ def contiguous_aligned(x: torch.Tensor) -> torch.Tensor:
     contiguous copy that does (the kernels read 16-byte vectors). Raises nothing."""
     x = x.contiguous()
     return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def compile_for_arch(kernel_module: str, compile_fn: str, key: tuple):
+    """Compiles one kernel: ``compile_fn(*key[:-1])`` of the kernel module ``kernel_module``
+    (``"fwd"``, ``"bwd"``, ``"indexer"``), for the arch ``key[-1]`` (no GPU needed:
+    :func:`.common.target_arch`). Importing the kernel module imports the CuTe DSL; a launcher
+    calls this only on a kernel cache miss (:class:`..cache.KernelCache`)."""
+    from .common import target_arch
+
+    compile_ = getattr(importlib.import_module(f"{__package__}.{kernel_module}"), compile_fn)
+    with target_arch(key[-1]):
+        return compile_(*key[:-1])

@@ -12,7 +12,7 @@ import torch
 from ..cache import KernelCache
 from . import INDEXER_D_QK as D_QK
 from . import INDEXER_TILE_HEADS as TILE_HEADS
-from .host import LOG2E, contiguous_aligned
+from .host import LOG2E, compile_for_arch, contiguous_aligned
 
 _CACHE = KernelCache("mla_sm90_indexer_target")
 
@@ -43,12 +43,9 @@ def get_kernel(key: tuple):
 
 
 def _compile(key: tuple):
-    """Compiles the kernel of ``key``; the one place this module imports the CuTe DSL."""
-    from .common import target_arch
-    from .indexer import compile_target
-
-    with target_arch(key[-1]):
-        return compile_target(*key[:-1])
+    """Compiles the kernel of ``key`` (:func:`.host.compile_for_arch`): the one place this
+    module imports the CuTe DSL."""
+    return compile_for_arch("indexer", "compile_target", key)
 
 
 def precompile_target(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576,
