@@ -224,13 +224,17 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "cutlass"))
                     reason="needs an SM90 GPU")
 @needs_linker
 def test_kernels_loaded_from_their_libraries_run_on_the_current_stream_and_in_a_graph(
-        disk, tmp_path):
+        disk, tmp_path, monkeypatch):
     """The parent compiles (filling the disk cache) and computes a training forward and a
     backward; a fresh process loads both kernels from their shared libraries (no CuTe DSL) and
     must get the forward bitwise on a side stream and from a replayed CUDA graph, dq bitwise,
     and dkv (fp32 atomics: order-dependent) within 1e-3."""
     from mla_inductor.kernels.sm90 import bwd_host
 
+    # kernels that earlier tests of this process compiled would be served from memory and
+    # never reach this test's disk cache
+    monkeypatch.setattr(fwd_host._CACHE, "_mem", {})
+    monkeypatch.setattr(bwd_host._CACHE, "_mem", {})
     g = torch.Generator(device="cuda").manual_seed(0)
     T, H, S, topk = 300, 128, 1024, 512
     q = torch.randn(T, H, 576, device="cuda", generator=g).bfloat16()
