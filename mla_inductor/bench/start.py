@@ -3,17 +3,18 @@
 Every run is a new Python interpreter (``subprocess``) timing, in order: CUDA start-up (``import
 torch`` and a first tensor on the device), ``import mla_inductor``, the inputs (q and kv as
 parameters, the indices), a ``torch.optim.SGD`` over them (constructing a torch optimizer
-imports ``torch._dynamo``, 1.1-5.5 s, in any training program), then the first training
-step: ``sparse_mla(q, kv, indices)`` (a training forward), ``backward`` and ``optimizer.step()``,
-synchronised. Three runs share one new kernel cache folder (``MLA_INDUCTOR_KERNEL_CACHE``, a
-temporary folder, removed afterwards): **cold** (the cache is empty: the step compiles the
-training forward and the backward), then **warm** twice (the kernels come from the cache as
-shared libraries, without importing the CuTe DSL: :mod:`mla_inductor.kernels.cache`).
+imports ``torch._dynamo``: 1.1-1.4 s on a 2-core CPU machine, 3.6-5.7 s on the H200 machine, in any
+training program), then the first training step: ``sparse_mla(q, kv, indices)`` (a training
+forward), ``backward`` and ``optimizer.step()``, synchronised. Three runs share one new kernel
+cache folder (``MLA_INDUCTOR_KERNEL_CACHE``, a temporary folder, removed afterwards): **cold**
+(the cache is empty: the step compiles the training forward and the backward), then **warm**
+twice (the kernels come from the cache as shared libraries, without importing the CuTe DSL:
+:mod:`mla_inductor.kernels.cache`).
 
 "after CUDA" = import + inputs + optimizer + first step; "ours" = import + first step, what this
-package adds to a training program's start. Sizes: d_qk 576, d_v 512, topk 2048, S = 2T, bf16 on the
-SM90 kernels; ``--tiny``: T 64, H 16, topk 32, float32 on the CPU with the reference backend (a
-smoke test of this command; no kernels, no cache).
+package adds to a training program's start. Sizes: d_qk 576, d_v 512, topk 2048, S = 2T, bf16
+on the SM90 kernels; ``--tiny``: T 64, H 16, topk 32, float32 on the CPU with the reference
+backend (a smoke test of this command; no kernels, no cache).
 """
 
 from __future__ import annotations
