@@ -61,13 +61,15 @@ def cp_async_wait_all(*, loc=None, ip=None) -> None:
 
 @dsl_user_op
 def red_add_f32x4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, pred: Int32,
-                  *, loc=None, ip=None) -> None:
-    """``red.global.add.v4.f32`` of four adjacent words (16-byte aligned), issued iff ``pred != 0``."""
+                  policy: Int64, *, loc=None, ip=None) -> None:
+    """``red.global.add.v4.f32`` of four adjacent words (16-byte aligned) with an L2 ``policy``
+    (:func:`create_policy`), issued iff ``pred != 0``."""
     _asm(
         "{\n.reg .pred p;\nsetp.ne.b32 p, $5, 0;\n"
-        "@p red.relaxed.gpu.global.add.v4.f32 [$0], {$1, $2, $3, $4};\n}",
-        "l,f,f,f,f,r",
-        (Int64(addr), Float32(a), Float32(b), Float32(c), Float32(d), Int32(pred)),
+        "@p red.relaxed.gpu.global.add.L2::cache_hint.v4.f32 [$0], {$1, $2, $3, $4}, $6;\n}",
+        "l,f,f,f,f,r,l",
+        (Int64(addr), Float32(a), Float32(b), Float32(c), Float32(d), Int32(pred),
+         Int64(policy)),
         loc=loc,
         ip=ip,
     )
