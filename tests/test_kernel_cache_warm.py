@@ -23,6 +23,7 @@ pytest.importorskip("cutlass.cute")
 from mla_inductor.kernels import cache, sharedlib  # noqa: E402
 from mla_inductor.kernels.cache import DISK_CACHE_ENV, KernelCache  # noqa: E402
 from mla_inductor.kernels.sm90 import fwd_host  # noqa: E402
+from mla_inductor.kernels.sm90.host import compile_for_arch  # noqa: E402
 
 KEY = fwd_host.compile_key(torch.bfloat16, 512, 512, 8.0, False, False)  # a small forward
 REPO = pathlib.Path(__file__).parent.parent
@@ -61,7 +62,7 @@ def run_fresh(code: str, **env: str) -> list[str]:
 @pytest.fixture(scope="module")
 def compiled():
     """The forward kernel of KEY, compiled once for this module (for sm_90a, the key's arch)."""
-    return fwd_host._compile(KEY)
+    return compile_for_arch("fwd", "compile_forward", KEY)
 
 
 @pytest.fixture

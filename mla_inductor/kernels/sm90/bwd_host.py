@@ -31,15 +31,9 @@ def compile_key(dtype: torch.dtype, heads: int, d_qk: int, d_v: int, has_topk_le
 
 def get_kernel(key: tuple):
     """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now
-    for the key's arch (raises :class:`~mla_inductor.kernels.cache.CompileDuringCaptureError`
-    during capture)."""
-    return _CACHE.get(key, lambda: _compile(key))
-
-
-def _compile(key: tuple):
-    """Compiles the kernel of ``key`` (:func:`.host.compile_for_arch`): the one place this
-    module imports the CuTe DSL."""
-    return compile_for_arch("bwd", "compile_backward", key)
+    for the key's arch (only compiling imports the CuTe DSL: :func:`.host.compile_for_arch`;
+    raises :class:`~mla_inductor.kernels.cache.CompileDuringCaptureError` during capture)."""
+    return _CACHE.get(key, lambda: compile_for_arch("bwd", "compile_backward", key))
 
 
 def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads=(128,),

@@ -30,14 +30,9 @@ def compile_key(dtype: torch.dtype, d_qk: int, d_v: int, rescale_threshold: floa
 
 def get_kernel(key: tuple):
     """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now
-    for the key's arch (no GPU needed: :func:`.common.target_arch`)."""
-    return _CACHE.get(key, lambda: _compile(key))
-
-
-def _compile(key: tuple):
-    """Compiles the kernel of ``key`` (:func:`.host.compile_for_arch`): the one place this
-    module imports the CuTe DSL."""
-    return compile_for_arch("fwd", "compile_forward", key)
+    for the key's arch (no GPU needed; only compiling imports the CuTe DSL:
+    :func:`.host.compile_for_arch`)."""
+    return _CACHE.get(key, lambda: compile_for_arch("fwd", "compile_forward", key))
 
 
 def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo, *,
