@@ -232,10 +232,10 @@ def test_kernels_loaded_from_their_libraries_run_on_the_current_stream_and_in_a_
     and dkv (fp32 atomics: order-dependent) within 1e-3."""
     from mla_inductor.kernels.sm90 import bwd_host
 
-    # kernels that earlier tests of this process compiled would be served from memory and
-    # never reach this test's disk cache
-    monkeypatch.setattr(fwd_host._CACHE, "_mem", {})
-    monkeypatch.setattr(bwd_host._CACHE, "_mem", {})
+    # fresh caches: kernels that earlier tests of this process compiled would be served from
+    # memory and never reach this test's disk cache
+    for launcher in (fwd_host, bwd_host):
+        monkeypatch.setattr(launcher, "_CACHE", KernelCache(launcher._CACHE.name))
     g = torch.Generator(device="cuda").manual_seed(0)
     T, H, S, topk = 300, 128, 1024, 512
     q = torch.randn(T, H, 576, device="cuda", generator=g).bfloat16()

@@ -29,7 +29,14 @@ def compile_for_arch(kernel_module: str, compile_fn: str, key: tuple):
     """Compiles one kernel: ``compile_fn(*key[:-1])`` of the kernel module ``kernel_module``
     (``"fwd"``, ``"bwd"``, ``"indexer"``), for the arch ``key[-1]`` (no GPU needed:
     :func:`.common.target_arch`). Importing the kernel module imports the CuTe DSL; a launcher
-    calls this only on a kernel cache miss (:class:`..cache.KernelCache`)."""
+    calls this only on a kernel cache miss (:class:`..cache.KernelCache`). Returns the compiled
+    function (called with the launcher's tensors and a stream).
+
+    Raises:
+        ImportError: the CuTe DSL is not installed.
+        Exception: the CuTe DSL's own error when the kernel does not compile for that arch
+            (passed on unchanged).
+    """
     from .common import target_arch
 
     compile_ = getattr(importlib.import_module(f"{__package__}.{kernel_module}"), compile_fn)
