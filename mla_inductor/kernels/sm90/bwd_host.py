@@ -13,7 +13,7 @@ import torch
 from ..cache import KernelCache
 from . import SUPPORTED_DIMS
 from .host import DKV_GROUP as _GROUP
-from .host import compile_for_arch, contiguous_aligned
+from .host import compile_for_arch, contiguous_aligned, int32_contiguous
 
 _CACHE = KernelCache("mla_sm90_bwd")
 
@@ -109,8 +109,7 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or H == 0:
         return dq
-    tlen = None if topk_length is None else topk_length.to(torch.int32).contiguous()
-    qpos = None if q_positions is None else q_positions.to(torch.int32).contiguous()
+    tlen, qpos = int32_contiguous(topk_length), int32_contiguous(q_positions)
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     has_o_lo = o_lo.numel() > 0
     fn = get_kernel(compile_key(q.dtype, H, d_qk, d_v, tlen is not None, has_o_lo,

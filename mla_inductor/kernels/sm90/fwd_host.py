@@ -13,7 +13,8 @@ import torch
 
 from ..cache import KernelCache
 from . import SUPPORTED_DIMS
-from .host import FWD_TILE_H, LOG2E, compile_for_arch, contiguous_aligned
+from .host import (FWD_TILE_H, LOG2E, compile_for_arch, contiguous_aligned,
+                   int32_contiguous)
 
 _CACHE = KernelCache("mla_sm90_fwd")
 
@@ -92,11 +93,8 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
         max_logits.fill_(float("-inf"))
         return out, lse, o_lo, max_logits
     q, kv = contiguous_aligned(q), contiguous_aligned(kv)
-    indices = indices.to(torch.int32).contiguous()
-    if topk_length is not None:
-        topk_length = topk_length.to(torch.int32).contiguous()
-    if q_positions is not None:
-        q_positions = q_positions.to(torch.int32).contiguous()
+    indices = int32_contiguous(indices)
+    topk_length, q_positions = int32_contiguous(topk_length), int32_contiguous(q_positions)
     if attn_sink is not None:
         attn_sink = attn_sink.to(torch.float32).contiguous()
     key = compile_key(q.dtype, d_qk, d_v, rescale_threshold, return_o_lo, topk_length is not None,

@@ -1,8 +1,8 @@
 """What the SM90 launchers (:mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_host`) share
 with the kernels without the CuTe DSL: the natural-log / log2 constants, the forward's head
-tile, the dkv accumulator's interleave group, the host-side alignment of inputs, and the one
-call through which a launcher compiles (and only then imports ``cutlass``). Importing it never
-imports ``cutlass``.
+tile, the dkv accumulator's interleave group, the host-side alignment and int32 form of inputs,
+and the one call through which a launcher compiles (and only then imports ``cutlass``).
+Importing it never imports ``cutlass``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ def contiguous_aligned(x: torch.Tensor) -> torch.Tensor:
     contiguous copy that does (the kernels read 16-byte vectors). Raises nothing."""
     x = x.contiguous()
     return x if x.data_ptr() % 16 == 0 else x.clone()
+
+
+def int32_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
+    """``x`` as a contiguous int32 tensor (the kernels' indices, topk_length and q_positions),
+    or None for None. Raises nothing."""
+    return None if x is None else x.to(torch.int32).contiguous()
 
 
 def compile_for_arch(kernel_module: str, compile_fn: str, key: tuple):

@@ -12,7 +12,7 @@ import torch
 from ..cache import KernelCache
 from . import INDEXER_D_QK as D_QK
 from . import INDEXER_TILE_HEADS as TILE_HEADS
-from .host import LOG2E, compile_for_arch, contiguous_aligned
+from .host import LOG2E, compile_for_arch, contiguous_aligned, int32_contiguous
 
 _CACHE = KernelCache("mla_sm90_indexer_target")
 
@@ -104,11 +104,8 @@ def indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale):
         return torch.zeros(indices.shape, dtype=torch.float32, device=q.device)
     target = torch.empty(indices.shape, dtype=torch.float32, device=q.device)
     q, kv = contiguous_aligned(q), contiguous_aligned(kv)
-    indices = indices.to(torch.int32).contiguous()
-    if topk_length is not None:
-        topk_length = topk_length.to(torch.int32).contiguous()
-    if q_positions is not None:
-        q_positions = q_positions.to(torch.int32).contiguous()
+    indices = int32_contiguous(indices)
+    topk_length, q_positions = int32_contiguous(topk_length), int32_contiguous(q_positions)
     key = compile_key(q.dtype, d_qk, tile, topk_length is not None, q_positions is not None)
     get_kernel(key)(q, kv, indices, topk_length, q_positions, lse.float().contiguous(), target,
                     float(sm_scale) * LOG2E)
