@@ -12,18 +12,19 @@ from mla_inductor.kernels.sm90 import bwd_host  # noqa: E402
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "heads,d_qk,d_v,has_topk_length,has_o_lo",
-    [(128, 576, 512, False, True), (72, 512, 512, True, False)],
+    "heads,d_qk,d_v,has_topk_length,has_o_lo,evict_first",
+    [(128, 576, 512, False, True, False), (72, 512, 512, True, False, True)],
 )
-def test_backward_compiles_for_sm90a(heads, d_qk, d_v, has_topk_length, has_o_lo):
+def test_backward_compiles_for_sm90a(heads, d_qk, d_v, has_topk_length, has_o_lo, evict_first):
     compiled = bwd_host.precompile_backward(
         "sm_90a", dtypes=(torch.bfloat16,), heads=(heads,), d_qk=d_qk, d_v=d_v,
-        topk_length=(has_topk_length,), o_lo=(has_o_lo,),
+        topk_length=(has_topk_length,), o_lo=(has_o_lo,), gather_evict_first=(evict_first,),
     )
     (key,) = compiled
     assert key == ("bfloat16", heads, d_qk, d_v, has_topk_length, has_o_lo, False, False, False,
-                   "sm_90a")
-    assert key == bwd_host.compile_key(torch.bfloat16, heads, d_qk, d_v, has_topk_length, has_o_lo)
+                   evict_first, "sm_90a")
+    assert key == bwd_host.compile_key(torch.bfloat16, heads, d_qk, d_v, has_topk_length, has_o_lo,
+                                       gather_evict_first=evict_first)
     assert callable(compiled[key])
 
 

@@ -96,6 +96,39 @@ def test_gradients_vs_fp64(T, H, d_qk, d_v, S, topk, with_len):
     assert (dkv[~touched] == 0).all()
 
 
+@pytest.mark.parametrize("with_len", [False, True])
+def test_gathers_evict_first_same_gradients(monkeypatch, with_len):
+    """The kernel whose gathers carry the L2 evict_first policy (chosen when kv and its fp32
+    accumulator do not fit in L2) computes what the plain one does: dq bitwise, dkv to the
+    atomics' order, both against fp64."""
+    T, H, d_qk, d_v, S, topk = 3, 128, 576, 512, 4096, 2048
+    q, kv, dout, indices, topk_length = _case(T, H, d_qk, d_v, S, topk, seed=11,
+                                              with_topk_length=with_len)
+    sm_scale = d_qk**-0.5
+    dq64, dkv64, out, lse, o_lo = _reference(q, kv, dout, indices, topk_length, sm_scale, d_v)
+    assert not bwd_host.gathers_evict_first(kv)  # 4.7 MB of kv + accumulator fit in L2
+    plain = bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
+    monkeypatch.setattr(bwd_host, "_l2_bytes", lambda device: 0)
+    assert bwd_host.gathers_evict_first(kv)
+    streamed = bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
+    torch.cuda.synchronize()
+    assert torch.equal(streamed[0], plain[0])
+    assert rel_l2(streamed[1], plain[1]) < 1e-3
+    assert rel_l2(streamed[0], dq64) <= 1.5 * rel_l2(dq64.to(q.dtype), dq64)
+    assert rel_l2(streamed[1], dkv64) <= 1.5 * rel_l2(dkv64.to(kv.dtype), dkv64)
+
+
+def test_gathers_evict_first_threshold():
+    """Decided by kv's size: S = 8192 (28 MB with the accumulator) fits in an SM90 L2 of 50 MB
+    or more; S = 32768 (113 MB) does not."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    assert 50 * 10**6 <= l2 < 113 * 10**6
+    assert not bwd_host.gathers_evict_first(torch.empty(8192, 576, dtype=torch.bfloat16,
+                                                        device="cuda"))
+    assert bwd_host.gathers_evict_first(torch.empty(32768, 576, dtype=torch.bfloat16,
+                                                    device="cuda"))
+
+
 def test_precise_dpsum_improves_dq():
     """With o_lo the dpsum uses a near-fp32 O: dq is closer to fp64 than without it."""
     T, H, d_qk, d_v, S, topk = 8, 64, 576, 512, 64, 64

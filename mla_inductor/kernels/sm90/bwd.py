@@ -67,7 +67,12 @@ Main kernel design (warp-specialised like the cuDNN frontend's SM90 DSA backward
   faster on the H200); the reds carry an L2 evict_last policy, so that the accumulator's lines
   outlast the gathered kv rows in L2 once both no longer fit (H200, H 128 / 64, topk 2048, same
   interleaved rounds as the plain reds: 2.3-4.1% faster at T 16384-32768, S 32768; within
-  noise at T 4096, S 8192; dq bitwise the same);
+  noise at T 4096, S 8192; dq bitwise the same); when kv and the accumulator together (``S *
+  d_qk * (2 + 4)`` bytes) do not fit in L2 either (``gather_evict_first``, decided by the
+  launcher), the gathers carry an L2 evict_first policy, so that the kv rows they stream in make
+  way for the accumulator's lines first (H200, same rounds as the plain gathers: 1.3% faster at
+  H 128, T 16384-32768, S 32768, 3.2% at H 64, T = S = 32768; when both fit, T 4096, S 8192, H
+  128, the policy cost 2%, so the gathers there stay plain);
 * the hand-offs are named barriers (bar.arrive on one side, bar.sync on the other): P ready /
   dS ready (0 -> 1); P free / dS free (1 -> 0: the next block's P / dS may be stored); K/V free
   (1 -> 0: warpgroup 1's dq is done, the rest of the next block may be gathered);
@@ -138,17 +143,19 @@ def kmajor_sw128(dtype, rows: int, cols: int):
 
 
 class SparseMlaBackwardSm90:
-    """Static configuration: dtype, head count, d_qk, d_v, and whether topk_length, o_lo,
-    causal positions and a gradient of lse are passed and dpsum is written out."""
+    """Static configuration: dtype, head count, d_qk, d_v, whether topk_length, o_lo,
+    causal positions and a gradient of lse are passed and dpsum is written out, and whether the
+    gathers carry an L2 evict_first policy (the module docstring says when)."""
 
     def __init__(self, dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
                  has_o_lo: bool = True, has_positions: bool = False, has_dlse: bool = False,
-                 writes_dpsum: bool = False):
+                 writes_dpsum: bool = False, gather_evict_first: bool = False):
         self.has_o_lo = has_o_lo
         # causal: slots naming a key past q_positions[t] are empty
         self.has_positions = has_positions
         self.has_dlse = has_dlse  # the backward uses dpsum - dlse
         self.writes_dpsum = writes_dpsum  # dpsum (- dlse) to global, for the sink's gradient
+        self.gather_evict_first = gather_evict_first
         self.dtype = dtype
         self.heads = heads
         self.d_qk = d_qk
@@ -296,7 +303,11 @@ class SparseMlaBackwardSm90:
         the call with ``slab0 = 0`` records each key's kv row, or -1, in ``sRow[stage]``. Thread
         t copies 16-byte piece t % 8 of every slab of rows r * 16 + t // 8; addresses are written
         out (128-byte swizzle: piece p of row r sits at 16 * (p ^ (r % 8))) so that they stay
-        one base register plus immediates."""
+        one base register plus immediates. With ``gather_evict_first`` every copy carries that
+        L2 policy."""
+        policy = None
+        if const_expr(self.gather_evict_first):
+            policy = create_policy(False)
         lane8 = t % 8
         row0 = t // 8
         dst0 = sKV.iterator.toint() + row0 * 128 + ((lane8 ^ (row0 % 8)) * 16)
@@ -307,7 +318,8 @@ class SparseMlaBackwardSm90:
             src = src0 + Int64(idx if ok else Int32(0)) * (self.d_qk * 2)
             nbytes = Int32(16) if ok else Int32(0)
             for i in cutlass.range_constexpr(slab0, self.d_qk // 64 if slab1 < 0 else slab1):
-                cp_async_16(dst0 + (i * _TILE_N * 128 + r * 16 * 128), src + i * 128, nbytes)
+                cp_async_16(dst0 + (i * _TILE_N * 128 + r * 16 * 128), src + i * 128, nbytes,
+                            policy)
             if const_expr(slab0 == 0):
                 if lane8 == 0:
                     sRow[stage * _TILE_N + r * 16 + row0] = idx
@@ -758,7 +770,7 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
                      has_o_lo: bool = True, has_positions: bool = False, has_dlse: bool = False,
-                     writes_dpsum: bool = False):
+                     writes_dpsum: bool = False, gather_evict_first: bool = False):
     """Compiles the main kernel for one static configuration (no GPU needed inside
     :func:`.common.target_arch`). The returned TVM-FFI function takes ``(q, kv, dout, out,
     o_lo_or_None, lse, indices, topk_length_or_None, dq, dkv_accum, q_positions_or_None,
@@ -795,5 +807,5 @@ def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     kernel = SparseMlaBackwardSm90(cdtype, heads, d_qk, d_v, has_topk_length, has_o_lo,
-                                   has_positions, has_dlse, writes_dpsum)
+                                   has_positions, has_dlse, writes_dpsum, gather_evict_first)
     return cute.compile(kernel, *args, options="--enable-tvm-ffi")

@@ -8,6 +8,8 @@ accumulator's column order (:func:`dkv_interleave`, :func:`dkv_deinterleave`,
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..cache import KernelCache
@@ -20,13 +22,30 @@ _CACHE = KernelCache("mla_sm90_bwd")
 
 def compile_key(dtype: torch.dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
                 has_o_lo: bool = True, arch: str = "sm_90a", *, has_positions: bool = False,
-                has_dlse: bool = False, writes_dpsum: bool = False) -> tuple:
+                has_dlse: bool = False, writes_dpsum: bool = False,
+                gather_evict_first: bool = False) -> tuple:
     """The static compile key: T, S and topk are symbolic; the head count is static, and so
     are whether ``topk_length``, a non-empty ``o_lo`` (read for dpsum only when passed), causal
-    positions and dlse are passed and whether dpsum is written out. The arch is last."""
+    positions and dlse are passed, whether dpsum is written out and whether the gathers carry
+    an L2 evict_first policy (:func:`gathers_evict_first`). The arch is last."""
     return (str(dtype).removeprefix("torch."), int(heads), int(d_qk), int(d_v),
             bool(has_topk_length), bool(has_o_lo), bool(has_positions), bool(has_dlse),
-            bool(writes_dpsum), arch)
+            bool(writes_dpsum), bool(gather_evict_first), arch)
+
+
+def gathers_evict_first(kv: torch.Tensor) -> bool:
+    """Whether the backward's kv gathers carry an L2 evict_first policy: when ``kv [S, d_qk]``
+    and the fp32 dkv accumulator (``S * d_qk * (kv.element_size() + 4)`` bytes) do not fit in
+    the device's L2 together, so that the streamed kv rows make way for the accumulator's lines
+    (H200: 1.3-3.2% faster at S = 32768; when both fit, the policy cost 2%: the module docstring
+    of :mod:`.bwd`). Raises nothing."""
+    return kv.numel() * (kv.element_size() + 4) > _l2_bytes(kv.device)
+
+
+@functools.cache
+def _l2_bytes(device: torch.device) -> int:
+    """The L2 cache of ``device`` in bytes."""
+    return torch.cuda.get_device_properties(device).L2_cache_size
 
 
 def get_kernel(key: tuple):
@@ -38,10 +57,12 @@ def get_kernel(key: tuple):
 
 def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads=(128,),
                         d_qk: int = 576, d_v: int = 512, topk_length=(False, True),
-                        o_lo=(True,)) -> dict:
+                        o_lo=(True,), gather_evict_first=(False,)) -> dict:
     """Compiles the backward kernel for ``arch`` without a GPU, for every combination of
     ``dtypes`` x ``heads`` x ``topk_length`` x ``o_lo`` (whether the forward's o_lo is passed:
-    a training forward always returns it); returns ``{compile_key: fn}`` (also cached).
+    a training forward always returns it) x ``gather_evict_first`` (add True for kv too long
+    to fit in L2 with its accumulator: :func:`gathers_evict_first`); returns ``{compile_key:
+    fn}`` (also cached).
 
     Raises:
         ValueError: for an arch other than ``sm_90a``.
@@ -53,8 +74,10 @@ def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads
         for h in heads:
             for with_len in topk_length:
                 for with_o_lo in o_lo:
-                    key = compile_key(dtype, h, d_qk, d_v, with_len, with_o_lo, arch)
-                    compiled[key] = get_kernel(key)
+                    for evict_first in gather_evict_first:
+                        key = compile_key(dtype, h, d_qk, d_v, with_len, with_o_lo, arch,
+                                          gather_evict_first=evict_first)
+                        compiled[key] = get_kernel(key)
     return compiled
 
 
@@ -114,7 +137,8 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     has_o_lo = o_lo.numel() > 0
     fn = get_kernel(compile_key(q.dtype, H, d_qk, d_v, tlen is not None, has_o_lo,
                                 has_positions=qpos is not None, has_dlse=dlse is not None,
-                                writes_dpsum=dpsum_out is not None))
+                                writes_dpsum=dpsum_out is not None,
+                                gather_evict_first=gathers_evict_first(kv)))
     q, kv, dout, out = (contiguous_aligned(x) for x in (q, kv, dout, out))
     fn(q, kv, dout, out, contiguous_aligned(o_lo) if has_o_lo else None, lse.contiguous(),
        indices.contiguous(), tlen, dq, dkv_accum, qpos, dlse, dpsum_out, float(sm_scale))
