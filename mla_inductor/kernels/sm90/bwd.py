@@ -28,8 +28,8 @@ Stages (all on torch's current stream, capturable in CUDA graphs):
    one row (columns c, c+1, c+8, c+9) are one 16-byte ``red.global.add.v4.f32`` (callers may
    pass their own buffer, see :func:`.bwd_host.backward_into`,
    :func:`.bwd_host.dkv_interleave`, :func:`.bwd_host.dkv_deinterleave`);
-2. postprocess (torch op, :func:`.bwd_host.dkv_from_accum`): un-interleave and cast to kv's dtype in one
-   copy.
+2. postprocess (torch op, :func:`.bwd_host.dkv_from_accum`): un-interleave and cast to kv's
+   dtype in one copy.
 
 The preprocess was three torch ops with fp32 temporaries (about 10 GB of traffic at T = 4096,
 H = 128, 2.7 ms of a 17.8 ms backward on the H200); inside the kernel it reads 2.1 GB once and
@@ -760,7 +760,7 @@ class SparseMlaBackwardSm90:
                 va = [cutlass.select_(par == 1, recv[k], g_lo[k]) for k in range(4)]
                 vb = [cutlass.select_(par == 1, g_lo[k], recv[k]) for k in range(4)]
                 line = L * 2 * _GROUP * 4
-                keep = create_policy(True)
+                keep = create_policy(True)  # per line pair: once per chunk was no faster
                 red_add_f32x4(addr_a + line, va[0], va[1], va[2], va[3], ok_a, keep)
                 red_add_f32x4(addr_b + line, vb[0], vb[1], vb[2], vb[3], ok_b, keep)
 

@@ -34,11 +34,20 @@ def compile_key(dtype: torch.dtype, heads: int, d_qk: int, d_v: int, has_topk_le
 
 
 def gathers_evict_first(kv: torch.Tensor) -> bool:
-    """Whether the backward's kv gathers carry an L2 evict_first policy: when ``kv [S, d_qk]``
-    and the fp32 dkv accumulator (``S * d_qk * (kv.element_size() + 4)`` bytes) do not fit in
-    the device's L2 together, so that the streamed kv rows make way for the accumulator's lines
-    (H200: 1.3-3.2% faster at S = 32768; when both fit, the policy cost 2%: the module docstring
-    of :mod:`.bwd`). Raises nothing."""
+    """Whether the backward's kv gathers carry an L2 evict_first policy: True when kv and the
+    fp32 dkv accumulator (``S * d_qk * (kv.element_size() + 4)`` bytes) do not fit in the
+    device's L2 (torch's ``L2_cache_size``, 60 MiB on the H200) together, so that the streamed
+    kv rows make way for the accumulator's lines (H200: 1.3-3.2% faster at S = 32768; when both
+    fit, the policy cost 2%: the module docstring of :mod:`.bwd`).
+
+    Args:
+        kv: ``[S, d_qk]`` bf16/fp16 tensor on a CUDA device (only its size, dtype and device
+            are read).
+
+    Raises:
+        torch's own error (ValueError; AssertionError in a torch built without CUDA) for a
+            ``kv`` that is not on a CUDA device.
+    """
     return kv.numel() * (kv.element_size() + 4) > _l2_bytes(kv.device)
 
 
