@@ -1,8 +1,10 @@
 """Our Hopper (SM90a) sparse-MLA kernels, written in CuTe DSL (backend protocol of
 :mod:`mla_inductor.kernels`). The forward's kernel is in :mod:`.fwd`, the backward's in
-:mod:`.bwd`, the indexer's training target in :mod:`.indexer`; each has its launcher (argument
-checks, compile key, kernel cache, launch) in :mod:`.fwd_host`, :mod:`.bwd_host`,
-:mod:`.indexer_host`, which import the CuTe DSL only to compile a kernel that is not cached."""
+:mod:`.bwd`, the indexer's training target in :mod:`.indexer`, the lightning indexer's scores in
+:mod:`.lightning`; each has its launcher (argument checks, compile key, kernel cache, launch) in
+:mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_host`, :mod:`.lightning_host`, which import
+the CuTe DSL only to compile a kernel that is not cached. The lightning indexer's scores and
+top-k select are composed in :mod:`.lightning_indexer_host`."""
 
 from __future__ import annotations
 
@@ -37,6 +39,11 @@ INDEXER_D_QK = (576, 512)
 INDEXER_TILE_HEADS = (64, 128)  # the indexer kernel's wgmma N: the heads of one token, padded
 INDEXER_MAX_HEADS = INDEXER_TILE_HEADS[-1]
 
+LIGHTNING_D = 128  # the lightning indexer's head dim
+LIGHTNING_HEAD_TILES = (16, 32, 64)  # its score kernel's heads per token, padded
+LIGHTNING_TILE_N = 256  # its wgmma N: tokens x head tile
+LIGHTNING_MAX_HEADS = LIGHTNING_HEAD_TILES[-1]
+
 
 def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tuple[bool, str]:
     """Whether the kernels handle this problem (``auto`` falls back to the reference if not):
@@ -45,7 +52,9 @@ def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tupl
     every feature (``causal``, ``sink``, ``max_logits``, ``dlse``). The indexer target
     (``direction`` ``"indexer_target"``, which reads no values: ``d_v`` is not looked at) takes
     ``d_qk`` in :data:`INDEXER_D_QK` and at most :data:`INDEXER_MAX_HEADS` heads (one CTA holds
-    all the heads of a token)."""
+    all the heads of a token). The lightning indexer (``"lightning_indexer"``, ``d_qk`` = its
+    head dim D) takes D = :data:`LIGHTNING_D` and 1 to :data:`LIGHTNING_MAX_HEADS` index heads,
+    causal or not."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False, f"sm90 kernels take bfloat16 or float16, got {dtype}"
     if direction == "indexer_target":
@@ -54,6 +63,13 @@ def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tupl
         if H > INDEXER_MAX_HEADS:
             return False, (f"sm90 indexer target supports at most {INDEXER_MAX_HEADS} heads, "
                            f"got {H}")
+        return True, ""
+    if direction == "lightning_indexer":
+        if d_qk != LIGHTNING_D:
+            return False, f"sm90 lightning indexer supports D = {LIGHTNING_D}, got {d_qk}"
+        if not 1 <= H <= LIGHTNING_MAX_HEADS:
+            return False, (f"sm90 lightning indexer supports 1 to {LIGHTNING_MAX_HEADS} index "
+                           f"heads, got {H}")
         return True, ""
     if (d_qk, d_v) not in SUPPORTED_DIMS:
         return False, f"sm90 kernels support (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}"
@@ -73,7 +89,8 @@ def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, 
 def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576, d_v: int = 512,
                thresholds=(0.0, 8.0), o_lo=(False, True), topk_length=(False, True),
                backward_heads=(128,), backward_o_lo=(True,), indexer_heads=(128,),
-               indexer_positions=(False, True)) -> dict:
+               indexer_positions=(False, True), lightning_heads=(),
+               lightning_causal=(False, True)) -> dict:
     """Compiles the kernels for ``arch`` without a GPU; returns ``{compile_key: fn}``.
 
     Forward: every combination of ``dtypes`` x ``thresholds`` x ``o_lo`` x ``topk_length``.
@@ -82,6 +99,8 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     it); pass ``backward_heads=()`` to skip it. Indexer target (its head tile, 64 or 128, is
     static): ``dtypes`` x the tiles of ``indexer_heads`` x ``topk_length`` x
     ``indexer_positions`` (causal positions given); pass ``indexer_heads=()`` to skip it.
+    Lightning-indexer scores (head tile 16, 32 or 64 static): ``dtypes`` x the tiles of
+    ``lightning_heads`` x ``lightning_causal``; skipped unless ``lightning_heads`` is given.
     Everything is cached, so later calls on a GPU do not compile again.
 
     Raises:
@@ -89,7 +108,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     """
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
-    from . import bwd_host, fwd_host, indexer_host
+    from . import bwd_host, fwd_host, indexer_host, lightning_host
 
     compiled = {}
     for dtype in dtypes:
@@ -107,6 +126,9 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
         compiled.update(indexer_host.precompile_target(
             arch, dtypes=dtypes, d_qk=d_qk, heads=indexer_heads, topk_length=topk_length,
             positions=indexer_positions))
+    if lightning_heads:
+        compiled.update(lightning_host.precompile_scores(
+            arch, dtypes=dtypes, heads=lightning_heads, causal=lightning_causal))
     return compiled
 
 
@@ -126,3 +148,10 @@ def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_
 
     del attn_sink
     return indexer_host.indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale)
+
+
+def lightning_indexer(q, k, weights, q_positions, topk):
+    """See :func:`mla_inductor.kernels.sm90.lightning_indexer_host.lightning_indexer`."""
+    from . import lightning_indexer_host
+
+    return lightning_indexer_host.lightning_indexer(q, k, weights, q_positions, topk)

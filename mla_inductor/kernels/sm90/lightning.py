@@ -1,0 +1,393 @@
+"""The lightning indexer's scores for Hopper (SM90a), written in CuTe DSL.
+
+Computes, for the flattened rows ``r = b * T + t`` of one chunk ``[r0, r1)`` and every key ``s``
+the row may see (the op :mod:`mla_inductor.lightning_indexer`)::
+
+    buf[r - r0, s] = sum_h weights[b, t, h] * relu(q[b, t, h, :] . k[b, s, :])      (fp32)
+
+into a bounded buffer ``buf [r1 - r0, ld]`` that the top-k select (:mod:`.topk`) reads. Entries
+at ``s >= row_len[r]`` are unspecified (the select never reads them); keys past the chunk's
+visible range in whole 64-key blocks are not computed at all.
+
+Design (decisions, in the order they were taken)
+-------------------------------------------------
+* The TRANSPOSED product ``S^T = K Q^T``: wgmma M = 64 keys (A operand: one key block, 64
+  contiguous rows of K, K-major, 128-byte swizzle), N = 256 = ``tokens x head_tile`` (B operand:
+  the Q rows of several tokens, padded heads zero-filled, K-major, loaded once per CTA and kept
+  stationary), K-dim = D = 128 (8 k-steps of m64n256k16). The head sum then runs along the
+  accumulator's N, inside the thread and its quad, and every key block streamed in feeds 256
+  columns: 256 FLOP per byte of K read from L2. ``head_tile`` is 64 (33..64 heads: 4 tokens),
+  32 (17..32: 8 tokens) or 16 (1..16: 16 tokens), so N is always 256.
+* Shared memory: Q 64 KiB, a ring of 8 key blocks of 16 KiB (each block two 64-column swizzle
+  chunks, one full / empty mbarrier pair per block), the tile's weights (1 KiB, permuted so that
+  each thread's weights of one token are contiguous and load as 16-byte vectors).
+* Warp specialisation, 3 warpgroups (384 threads), registers 40 / 232 / 232 (``setmaxnreg``):
+  - WG0, producer: Q and the weights (``cp.async``, zero-filled for padded heads and tokens past
+    the chunk, one mbarrier), then the CTA's key blocks in order with 16-byte ``cp.async.cg``
+    (L2 evict_last: every token tile reads the same keys; 16 threads per 256-byte key row, so the
+    reads are whole rows); keys ``>= S`` are zero-filled without a read.
+  - WG1 and WG2, consumers, ping-pong on key blocks (WG1 the even ones, WG2 the odd), so the
+    MMAs of one block run while the other consumer does its epilogue. Two named barriers hand
+    the tensor cores over (a consumer issues its block's 8 wgmmas only after the other has
+    issued its previous block's), so that the two cannot fall into phase; measured, the
+    hand-over makes no difference at T = S = 16384 (below), nor do 4 stages instead of 8.
+* Epilogue per block and thread (2 key rows x 64 columns of the accumulator): ``relu`` (NaN
+  propagating: ``max.NaN``, so a diverged indexer shows in the scores), times the column's
+  weight (FMA), summed over the thread's columns of each token (16 per token at head_tile 64),
+  then a REDUCE-SCATTER over the quad (2 butterfly steps exchanging half of the remaining
+  partial sums: 1.5 x tokens shuffles instead of 4 x tokens for an all-reduce), after which lane
+  ``q`` of a quad holds tokens ``[q tokens / 4, (q + 1) tokens / 4)`` of its 2 key rows. A warp's
+  store instruction writes 8 consecutive keys of 4 token rows: whole 32-byte sectors.
+* Causal (``row_len`` given): a CTA computes only the key blocks below the largest ``row_len``
+  of its tokens; the boundary block's scores past a row's own ``row_len`` are the real products
+  (no mask), which the select never reads. The token tiles are walked last-first, so that with
+  the usual increasing positions the longest rows start first (less tail at the end of a chunk).
+* Key splits (grid y): when a chunk has too few token tiles to fill the GPU, the key blocks are
+  split into contiguous ranges, one CTA each (the launcher's choice; 1 for long chunks).
+* Long inputs: q and k addresses are formed in 64 bits (``(b T + t) H D`` and ``b S D`` may pass
+  2**31); the buffer's offsets stay below 2**31 elements (the launcher checks).
+* One compiled kernel serves every B, T, H <= head_tile, S, chunk and ``ld`` (symbolic); the
+  compile key is (dtype, head_tile, causal).
+
+Measured (H200, torch 2.11, CUDA 13.0, nvidia-cutlass-dsl 4.8.1, 2026-12-02; CUDA events,
+medians; bf16, D 128, S = T, causal with bottom-right positions, TFLOPS on the causal FLOPs
+``T S / 2 H D 2``; cuDNN frontend 1.32's ``indexer_forward_wrapper`` (dense ``[T, S]`` fp32 scores)
+and a dense bf16 matmul of the same FLOPs in the same process):
+
+=======  ===  =====================  ==========================  ============
+T        H    these scores           cuDNN scores                matmul
+=======  ===  =====================  ==========================  ============
+16384    64   4.79 ms (459 TF)       4.81 ms (457 TF)            745 TF
+16384    64   4.63 ms (475 TF)       (second run)                773 TF
+32768    64   18.89 ms (466 TF)      20.28 ms (434 TF)           783 TF
+16384    32   2.47 ms (445 TF)
+=======  ===  =====================  ==========================  ============
+
+(T 32768: 4 chunks of 8192 rows, the 1 GiB buffer.) Not causal, T = S = 16384, H 64: 9.74 ms,
+452 TF on ``T S H D 2``: the causal walk costs nothing; the kernel runs at about 60% of the dense
+matmul in steady state.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_helpers
+from cutlass import BFloat16, Float16, Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T as IrT
+from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.utils import LayoutEnum
+
+from . import LIGHTNING_D as D
+from . import LIGHTNING_HEAD_TILES as HEAD_TILES
+from . import LIGHTNING_TILE_N as TILE_N
+from .common import TORCH_TO_CUTE, sw128_offset_bytes
+from .ptx import _asm, cp_async_4, cp_async_16, cp_async_wait_all, create_policy
+
+TILE_KEYS = 64  # keys per block (wgmma M)
+CHUNK = 64  # columns of one 128-byte swizzle atom of 2-byte elements
+STAGES = 8  # key blocks in the ring
+NUM_THREADS = 384
+REGS_PRODUCER, REGS_CONSUMER = 40, 232  # 40 + 2 x 232 = 3 x 168 (the launch allocation)
+SMEM_LIMIT = 227 * 1024
+BAR_TURN = 1  # named barriers BAR_TURN + role: "consumer `role` may issue its next block"
+
+
+@dsl_user_op
+def relu_nan(x: Float32, *, loc=None, ip=None) -> Float32:
+    """``max(x, 0)`` that keeps a NaN (``max.NaN.f32``)."""
+    return Float32(_asm("max.NaN.f32 $0, $1, 0f00000000;", "=f,f", (Float32(x),), IrT.f32(),
+                        loc=loc, ip=ip))
+
+
+class LightningScoresSm90:
+    """Compile-time configuration of one score kernel (see the module docstring)."""
+
+    def __init__(self, dtype, head_tile: int, causal: bool):
+        if dtype not in (BFloat16, Float16):
+            raise TypeError(f"lightning_indexer: sm90 scores support bf16/fp16, got {dtype}")
+        if head_tile not in HEAD_TILES:
+            raise ValueError(f"lightning_indexer: sm90 scores need a head tile in {HEAD_TILES}, "
+                             f"got {head_tile}")
+        self.dtype = dtype
+        self.head_tile = head_tile
+        self.tokens = TILE_N // head_tile  # tokens per CTA
+        self.w_per_token = TILE_N // 4 // self.tokens  # weights of one token per thread
+        self.causal = causal
+        self.q_bytes = TILE_N * D * 2
+        self.block_bytes = TILE_KEYS * D * 2
+
+    def _layouts(self):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, CHUNK), self.dtype
+        )
+        sQ = cute.tile_to_shape(atom, (TILE_N, D), order=(0, 1))
+        sK = cute.tile_to_shape(atom, (TILE_KEYS, CHUNK, 2 * STAGES), order=(0, 1, 2))
+        return sQ, sK
+
+    def _smem_bytes(self):
+        # Q, the ring, the weights, 2 x STAGES + 1 mbarriers, alignment slack
+        return self.q_bytes + STAGES * self.block_bytes + TILE_N * 4 + (2 * STAGES + 1) * 8 + 2048
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # [B T, H, D]
+        mK: cute.Tensor,  # [B S, D]
+        mW: cute.Tensor,  # [B T, H] fp32
+        mRowLen: cute.Tensor | None,  # [B T] int32 (causal only)
+        mBuf: cute.Tensor,  # [rows of the chunk, ld] fp32
+        seq_q: Int32,  # T
+        seq_k: Int32,  # S
+        b0: Int32,  # first batch element of the chunk
+        t0: Int32,  # first token of the chunk in each of its batch elements
+        n_tok: Int32,  # tokens of the chunk per batch element
+        n_batch: Int32,  # batch elements of the chunk
+        n_splits: Int32,  # key ranges per token tile
+        blocks_per_split: Int32,
+        stream,
+    ):
+        sQ_layout, sK_layout = self._layouts()
+        tiled_mma = sm90_helpers.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_KEYS, TILE_N),
+        )
+        n_tiles = (n_tok + self.tokens - 1) // self.tokens
+        self.kernel(mQ, mK, mW, mRowLen, mBuf, seq_q, seq_k, b0, t0, n_tok, blocks_per_split,
+                    sQ_layout, sK_layout, tiled_mma).launch(
+            grid=[n_tiles, n_splits, n_batch],
+            block=[NUM_THREADS, 1, 1],
+            smem=self._smem_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mW: cute.Tensor,
+        mRowLen: cute.Tensor | None,
+        mBuf: cute.Tensor,
+        seq_q: Int32,
+        seq_k: Int32,
+        b0: Int32,
+        t0: Int32,
+        n_tok: Int32,
+        blocks_per_split: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        tiled_mma: cute.TiledMma,
+    ):
+        """Device entry: one CTA per (token tile, key range, batch element of the chunk)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        bx, split, bz = cute.arch.block_idx()
+        n_tiles_x, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = warp_idx // 4
+        num_heads = mQ.shape[1]
+        tokens = self.tokens
+
+        tile = bx
+        if const_expr(self.causal):
+            tile = n_tiles_x - 1 - bx  # the longest rows first
+        b = b0 + bz
+        tok0 = t0 + tile * tokens  # first token of the tile (in batch element b)
+        tok_end = cutlass.min(t0 + n_tok, tok0 + tokens)
+        row_base = b * seq_q  # flattened row of token 0 of b
+        n_keys = seq_k
+        if const_expr(self.causal):
+            n_keys = Int32(0)
+            for j in cutlass.range_constexpr(tokens):
+                if tok0 + j < tok_end:
+                    n_keys = cutlass.max(n_keys, mRowLen[row_base + tok0 + j])
+            n_keys = cutlass.min(n_keys, seq_k)
+        n_kb = (n_keys + TILE_KEYS - 1) // TILE_KEYS
+        kb0 = split * blocks_per_split
+        n_blocks = cutlass.min(kb0 + blocks_per_split, n_kb) - kb0
+
+        if n_blocks > 0:
+            smem = cutlass.memory.SmemAllocator()
+            sQ = smem.allocate_tensor(self.dtype, sQ_layout.outer, 1024, swizzle=sQ_layout.inner)
+            sK = smem.allocate_tensor(self.dtype, sK_layout.outer, 1024, swizzle=sK_layout.inner)
+            # weights, [quad lane q, token, k]: column 8 (k' // 2) + 2 q + k' % 2 of the
+            # accumulator, k' = token * w_per_token + k (the thread's k'-th column)
+            sW = smem.allocate_tensor(
+                Float32,
+                cute.make_layout((4, tokens, self.w_per_token),
+                                 stride=(TILE_N // 4, self.w_per_token, 1)),
+                16,
+            )
+            mbar = smem.allocate_array(Int64, 2 * STAGES + 1)
+            mbar_full = mbar
+            mbar_empty = mbar + STAGES
+            mbar_q = mbar + 2 * STAGES
+
+            if tidx == 0:
+                for s in cutlass.range_constexpr(STAGES):
+                    cute.arch.mbarrier_init(mbar_full + s, 128)
+                    cute.arch.mbarrier_init(mbar_empty + s, 128)
+                cute.arch.mbarrier_init(mbar_q, 128)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+
+            if wg == 0:
+                # ================= producer: cp.async loads =================
+                cute.arch.setmaxregister_decrease(REGS_PRODUCER)
+                v = tidx % 16  # 16-byte vector of a 256-byte row
+                half = v // 8  # its 64-column swizzle chunk
+                vec = v % 8
+                rsub = tidx // 16  # 0..7
+                sQ_addr = sQ.iterator.toint()
+                sK_addr = sK.iterator.toint()
+                sW_addr = sW.iterator.toint()
+                q_base = mQ.iterator.toint()
+                k_base = mK.iterator.toint()
+                w_base = mW.iterator.toint()
+                keep = create_policy(True)  # keys: read by every token tile
+                once = create_policy(False)  # Q: read once
+                for p in cutlass.range_constexpr(TILE_N // 8):
+                    n = p * 8 + rsub
+                    t = tok0 + n // self.head_tile
+                    h = n % self.head_tile
+                    ok = (h < num_heads) & (t < tok_end)
+                    src = cutlass.select_(
+                        ok, q_base + ((Int64(row_base + t) * num_heads + h) * D + v * 8) * 2,
+                        q_base)
+                    cp_async_16(sQ_addr + sw128_offset_bytes(n, vec, 0) + half * (TILE_N * 128),
+                                src, cutlass.select_(ok, Int32(16), Int32(0)), once)
+                for p in cutlass.range_constexpr(TILE_N // 128):
+                    e = p * 128 + tidx  # (q, k') = (e // 64, e % 64)
+                    k = e % (TILE_N // 4)
+                    col = 8 * (k // 2) + 2 * (e // (TILE_N // 4)) + k % 2
+                    t = tok0 + col // self.head_tile
+                    h = col % self.head_tile
+                    ok = (h < num_heads) & (t < tok_end)
+                    src = cutlass.select_(ok, w_base + (Int64(row_base + t) * num_heads + h) * 4,
+                                          w_base)
+                    cp_async_4(sW_addr + e * 4, src, cutlass.select_(ok, Int32(4), Int32(0)))
+                cute.arch.cp_async_mbarrier_arrive_noinc(mbar_q)
+
+                k_batch = Int64(b) * seq_k
+                for i in cutlass.range(n_blocks, unroll=1):
+                    s = i % STAGES
+                    cute.arch.mbarrier_wait(mbar_empty + s, ((i // STAGES) & 1) ^ 1)
+                    key0 = (kb0 + i) * TILE_KEYS
+                    for p in cutlass.range_constexpr(TILE_KEYS // 8):
+                        r = p * 8 + rsub
+                        key = key0 + r
+                        ok = key < seq_k
+                        src = cutlass.select_(ok, k_base + ((k_batch + key) * D + v * 8) * 2,
+                                              k_base)
+                        cp_async_16(sK_addr + sw128_offset_bytes(r, vec, 2 * s + half), src,
+                                    cutlass.select_(ok, Int32(16), Int32(0)), keep)
+                    cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + s)
+                cp_async_wait_all()
+
+            else:
+                # ================= consumers: even blocks (WG1), odd blocks (WG2) ============
+                cute.arch.setmaxregister_increase(REGS_CONSUMER)
+                role = wg - 1
+                ct = tidx % 128
+                lane = ct % 32
+                quad = lane % 4
+                thr = tiled_mma.get_slice(ct)
+                tSrK = thr.make_fragment_A(thr.partition_A(sK))
+                tSrQ = thr.make_fragment_B(thr.partition_B(sQ))
+                acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE_KEYS, TILE_N)), Float32)
+                tScS = thr.partition_C(cute.make_identity_tensor((TILE_KEYS, TILE_N)))
+                rows = (tScS[0][0], tScS[2][0])  # this thread's two key rows of a block
+                wr = cute.make_rmem_tensor((self.w_per_token,), Float32)
+                k_steps = D // 16
+
+                cute.arch.mbarrier_wait(mbar_q, 0)
+                for i in cutlass.range(role, n_blocks, 2, unroll=1):
+                    s = i % STAGES
+                    cute.arch.mbarrier_wait(mbar_full + s, (i // STAGES) & 1)
+                    if i > 0:  # the other consumer has issued block i - 1
+                        cute.arch.barrier(barrier_id=BAR_TURN + role, number_of_threads=256)
+                    cute.arch.fence_view_async_shared()  # cp.async (generic proxy) -> wgmma
+                    warpgroup.fence()
+                    mma = cute.make_mma_atom(tiled_mma.op)
+                    mma.set(warpgroup.Field.ACCUMULATE, False)
+                    for k in cutlass.range_constexpr(k_steps):
+                        cute.gemm(mma, acc, tSrK[None, None, k % (CHUNK // 16),
+                                                 2 * s + k // (CHUNK // 16)],
+                                  tSrQ[None, None, k], acc)
+                        mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    if i + 1 < n_blocks:  # the other consumer may issue block i + 1
+                        cute.arch.barrier_arrive(barrier_id=BAR_TURN + 1 - role,
+                                                 number_of_threads=256)
+                    warpgroup.wait_group(0)
+                    cute.arch.mbarrier_arrive(mbar_empty + s)
+                    self._store_scores(acc, wr, sW, mBuf, rows, quad, lane, (kb0 + i) * TILE_KEYS,
+                                       tok0, tok_end, t0, bz * n_tok, seq_k)
+
+    @cute.jit
+    def _store_scores(self, acc, wr, sW, mBuf, rows, quad, lane, key0, tok0, tok_end, t0,
+                      buf_row0, seq_k):
+        """The block's scores of this thread's share: ``sum_h w * relu(acc)`` per (key row,
+        token) over the thread's columns, reduce-scattered over the quad, stored by the lane
+        that ends up holding them (keys ``< S`` of tokens of the chunk only)."""
+        tokens = self.tokens
+        part = [Float32(0.0)] * (2 * tokens)  # [row half r][token]
+        for tok in cutlass.range_constexpr(tokens):
+            wr.store(sW[quad, tok, None].load())
+            for kk in cutlass.range_constexpr(self.w_per_token):
+                k = tok * self.w_per_token + kk
+                for r in cutlass.range_constexpr(2):
+                    i = 4 * (k // 2) + 2 * r + k % 2
+                    part[r * tokens + tok] = part[r * tokens + tok] + relu_nan(acc[i]) * wr[kk]
+        # reduce-scatter over the quad: lane bit 1 keeps a half of the tokens, bit 0 a quarter
+        b1 = (lane & 2) != 0
+        b0 = (lane & 1) != 0
+        half = tokens // 2
+        kept = [Float32(0.0)] * (2 * half)
+        for r in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(half):
+                lo = part[r * tokens + j]
+                hi = part[r * tokens + half + j]
+                send = cutlass.select_(b1, lo, hi)
+                mine = cutlass.select_(b1, hi, lo)
+                kept[r * half + j] = mine + cute.arch.shuffle_sync_bfly(send, offset=2)
+        quarter = tokens // 4
+        for r in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(quarter):
+                lo = kept[r * half + j]
+                hi = kept[r * half + quarter + j]
+                send = cutlass.select_(b0, lo, hi)
+                mine = cutlass.select_(b0, hi, lo)
+                score = mine + cute.arch.shuffle_sync_bfly(send, offset=1)
+                t = tok0 + quad * quarter + j
+                key = key0 + rows[r]
+                if (t < tok_end) & (key < seq_k):
+                    mBuf[buf_row0 + t - t0, key] = score
+
+
+# ------------------------------------------------------------------------------------------------
+# compiling (the launcher is in lightning_host.py)
+# ------------------------------------------------------------------------------------------------
+
+def compile_scores(dtype_name: str, head_tile: int, causal: bool):
+    """Compile one score kernel (no GPU needed when the target arch is set).
+
+    B T, H (<= ``head_tile``), B S, the chunk's rows and ``ld`` are symbolic. Returns the
+    TVM-FFI callable ``fn(q [B T, H, D], k [B S, D], weights [B T, H], row_len_or_None [B T],
+    buf [R, ld], T, S, b0, t0, n_tok, n_batch, n_splits, blocks_per_split)``.
+    """
+    dtype = TORCH_TO_CUTE[dtype_name]
+    kernel = LightningScoresSm90(dtype, head_tile, causal)
+    n_rows, n_head, n_keys, n_buf, ld = (cute.sym_int() for _ in range(5))
+    fake = cute.runtime.make_fake_compact_tensor
+    q = fake(dtype, (n_rows, n_head, D), stride_order=(2, 1, 0), assumed_align=16)
+    k = fake(dtype, (n_keys, D), stride_order=(1, 0), assumed_align=16)
+    w = fake(Float32, (n_rows, n_head), stride_order=(1, 0), assumed_align=4)
+    row_len = fake(Int32, (n_rows,), assumed_align=4) if causal else None
+    buf = fake(Float32, (n_buf, ld), stride_order=(1, 0), assumed_align=16)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    one = Int32(1)
+    return cute.compile(kernel, q, k, w, row_len, buf, one, one, one, one, one, one, one, one,
+                        stream, options="--enable-tvm-ffi")

@@ -1,0 +1,110 @@
+"""Host side of the SM90 top-k select (the kernel is :mod:`.topk`): argument checks, the static
+compile key, the kernel cache and the launch on torch's current stream. It imports the CuTe DSL
+only to compile a kernel that the cache (memory, then disk) does not have (see
+:mod:`mla_inductor.kernels.cache`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import KernelCache
+from .host import compile_for_arch
+
+_CACHE = KernelCache("mla_sm90_topk_select")
+
+NUM_THREADS = 256  # threads per CTA (one CTA per row)
+CACHE_ELEMS = 8192  # rows up to this length keep their radix keys in shared memory
+CAND_ELEMS = 1024  # capacity of the candidate buffer of the lower digits' passes
+MIN_BLOCKS = 4  # CTAs per SM the register allocation leaves room for
+
+
+def compile_key(num_threads: int = NUM_THREADS, cache_elems: int = CACHE_ELEMS,
+                cand_elems: int = CAND_ELEMS, min_blocks: int = MIN_BLOCKS,
+                arch: str = "sm_90a") -> tuple:
+    """The static compile key: R, ld and topk are symbolic. The arch is last."""
+    return (int(num_threads), int(cache_elems), int(cand_elems), int(min_blocks), arch)
+
+
+def get_kernel(key: tuple):
+    """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now for
+    the key's arch (no GPU needed; only compiling imports the CuTe DSL)."""
+    return _CACHE.get(key, lambda: compile_for_arch("topk", "compile_select", key))
+
+
+def precompile_select(arch: str = "sm_90a",
+                      configs=((NUM_THREADS, CACHE_ELEMS, CAND_ELEMS, MIN_BLOCKS),)) -> dict:
+    """Compiles the select kernel for ``arch`` without a GPU, one per ``(num_threads,
+    cache_elems, cand_elems, min_blocks)`` of ``configs``; returns ``{compile_key: fn}`` (also
+    cached).
+
+    Raises:
+        ValueError: for an arch other than ``sm_90a``, or a configuration the kernel does not
+            support (:class:`.topk.TopkSelectSm90`).
+    """
+    if arch != "sm_90a":
+        raise ValueError(f"lightning_indexer: the sm90 top-k cannot compile for {arch!r}; use "
+                         f"'sm_90a'")
+    compiled = {}
+    for config in configs:
+        key = compile_key(*config, arch=arch)
+        compiled[key] = get_kernel(key)
+    return compiled
+
+
+def select(buf: torch.Tensor, row_len: torch.Tensor, topk: int, out_indices: torch.Tensor,
+           out_scores: torch.Tensor, *, key: tuple | None = None) -> None:
+    """Per-row top-k of a score buffer on SM90 (the selection rules are :mod:`.topk`'s).
+
+    For each row ``r``, among ``buf[r, :row_len[r]]`` (``row_len`` clamped to ``[0, ld]``) the
+    ``min(topk, row_len[r])`` largest scores (a NaN above +inf, -0.0 equal to +0.0, exact ties
+    to the smaller key index) go to ``out_indices[r]`` as key indices in ascending order, then -1
+    in the remaining slots; ``out_scores[r]`` holds each slot's score (bit for bit), 0 on -1
+    slots. Writes the outputs on torch's current stream and returns nothing; ``topk == 0`` or
+    ``R == 0`` launches nothing.
+
+    Args:
+        buf: ``[R, ld]`` float32 CUDA tensor, contiguous, 16-byte aligned, ``ld`` a multiple of
+            4 (entries at ``s >= row_len[r]`` are never used).
+        row_len: ``[R]`` int32, buf's device, contiguous.
+        topk: Python int >= 0.
+        out_indices: ``[R, topk]`` int32, contiguous, buf's device.
+        out_scores: ``[R, topk]`` float32, contiguous, buf's device.
+        key: the compile key (:func:`compile_key`; default the tuned configuration).
+
+    Raises:
+        ValueError / TypeError: bad ranks, shapes, dtypes, devices, layouts or topk.
+        CompileDuringCaptureError: first use inside CUDA-graph capture.
+    """
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
+        raise ValueError(f"lightning_indexer: sm90 top-k needs an int topk >= 0, got {topk!r}")
+    if buf.dim() != 2 or row_len.dim() != 1 or out_indices.dim() != 2 or out_scores.dim() != 2:
+        raise ValueError("lightning_indexer: sm90 top-k needs buf [R, ld], row_len [R], "
+                         "out_indices and out_scores [R, topk]")
+    R, ld = buf.shape
+    if (row_len.shape[0] != R or tuple(out_indices.shape) != (R, topk)
+            or tuple(out_scores.shape) != (R, topk)):
+        raise ValueError(f"lightning_indexer: sm90 top-k shape mismatch: buf {tuple(buf.shape)}, "
+                         f"row_len {tuple(row_len.shape)}, out_indices "
+                         f"{tuple(out_indices.shape)}, out_scores {tuple(out_scores.shape)}, "
+                         f"topk {topk}")
+    if (buf.dtype != torch.float32 or row_len.dtype != torch.int32
+            or out_indices.dtype != torch.int32 or out_scores.dtype != torch.float32):
+        raise TypeError(f"lightning_indexer: sm90 top-k needs float32 buf and out_scores, int32 "
+                        f"row_len and out_indices, got {buf.dtype}, {row_len.dtype}, "
+                        f"{out_indices.dtype}, {out_scores.dtype}")
+    tensors = (buf, row_len, out_indices, out_scores)
+    if not buf.is_cuda or any(t.device != buf.device for t in tensors):
+        raise ValueError("lightning_indexer: sm90 top-k needs all tensors on one CUDA device")
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("lightning_indexer: sm90 top-k needs contiguous tensors")
+    if ld % 4 != 0 or buf.data_ptr() % 16 != 0:
+        raise ValueError(f"lightning_indexer: sm90 top-k needs buf 16-byte aligned with ld a "
+                         f"multiple of 4, got ld {ld}")
+    if topk == 0 or R == 0:
+        return
+    if ld == 0:  # no keys: every slot is empty
+        out_indices.fill_(-1)
+        out_scores.zero_()
+        return
+    get_kernel(compile_key() if key is None else key)(buf, row_len, out_indices, out_scores)
