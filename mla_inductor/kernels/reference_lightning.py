@@ -132,20 +132,42 @@ def lightning_indexer(q: Tensor, k: Tensor, weights: Tensor, q_positions: Option
     (the selected keys in ascending key index, then -1) and ``scores [B, T, topk]`` float32
     (each slot's score, 0 on -1 slots). Chunked as the module docstring says.
     """
+    column = torch.arange(k.shape[1], device=q.device)
+
+    def seen(b0, b1, t0, t1):
+        return None if q_positions is None else column <= q_positions[b0:b1, t0:t1, None]
+
+    return _run(q, k, weights, topk, seen)
+
+
+def lightning_indexer_seen(q: Tensor, k: Tensor, weights: Tensor, seen: Tensor,
+                           topk: int) -> tuple[Tensor, Tensor]:
+    """:func:`lightning_indexer` with any visibility: ``seen [B or 1, T, S]`` bool (True: token
+    ``t`` sees key ``s``), for callers whose visibility is a dense mask that positions cannot
+    express (padding, packed sequences). Same arithmetic, selection, outputs and chunking; the
+    mask itself is the caller's O(T·S) tensor."""
+
+    def block(b0, b1, t0, t1):
+        rows = seen[b0:b1] if seen.shape[0] > 1 else seen
+        return rows[:, t0:t1].expand(b1 - b0, t1 - t0, seen.shape[-1])
+
+    return _run(q, k, weights, topk, block)
+
+
+def _run(q: Tensor, k: Tensor, weights: Tensor, topk: int, seen) -> tuple[Tensor, Tensor]:
+    """The chunk loop: ``seen(b0, b1, t0, t1)`` gives a block's ``[b1 - b0, t1 - t0, S]`` bool
+    visibility, or None (every key seen)."""
     B, T, H, _ = q.shape
     S = k.shape[1]
     indices = torch.full((B, T, topk), -1, dtype=torch.int32, device=q.device)
     values = torch.zeros((B, T, topk), dtype=torch.float32, device=q.device)
     if min(topk, S) == 0:
         return indices, values
-    column = torch.arange(S, device=q.device)
     for b0, b1, t0, t1 in _blocks(B, T, chunk_rows(H, S, SCORE_BYTES)):
         scores = _scores(q[b0:b1, t0:t1], k[b0:b1], weights[b0:b1, t0:t1])
-        seen = None
-        if q_positions is not None:
-            seen = column <= q_positions[b0:b1, t0:t1, None]
-            seen = seen.view(-1, S)
-        idx, val = select(scores.view(-1, S), seen, topk)
+        visible = seen(b0, b1, t0, t1)
+        idx, val = select(scores.view(-1, S), None if visible is None else visible.reshape(-1, S),
+                          topk)
         indices[b0:b1, t0:t1] = idx.view(b1 - b0, t1 - t0, topk)
         values[b0:b1, t0:t1] = val.view(b1 - b0, t1 - t0, topk)
     return indices, values
