@@ -1,5 +1,6 @@
 """The public entry points: :func:`sparse_mla` (argument types in, the entry op, outputs out), and
-the indexer's training signal, :func:`indexer_target` and :func:`indexer_kl_loss`."""
+the indexer's training signal, :func:`indexer_target` and :func:`indexer_kl_loss`, and the
+indexer's selection, :func:`lightning_indexer`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from torch import Tensor
 
 from . import custom_ops, indexer  # noqa: F401  (register torch.ops.mla_inductor.*)
+from . import lightning_indexer as _lightning_ops  # noqa: F401  (registers its ops)
 from . import layout
 from .kernels.reference import valid_slots
 
@@ -265,3 +267,84 @@ def indexer_kl_loss(
     t = target.detach().float()
     kl = torch.where(valid, torch.xlogy(t, t) - t * log_p, 0.0)
     return kl.sum() / has_valid.sum().clamp_min(1)
+
+
+def lightning_indexer(
+    q: Tensor,
+    k: Tensor,
+    weights: Tensor,
+    topk: int,
+    *,
+    causal: bool = False,
+    q_positions: Optional[Tensor] = None,
+    return_scores: bool = False,
+):
+    """DeepSeek-V3.2's lightning indexer: the ``topk`` keys of largest indexer score per token.
+
+    ``score[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])`` over the index heads ``h``
+    (float32 accumulation; DeepSeek-V3.2-Exp technical report, section 2.1; GLM-5's indexer is
+    the same). Each token keeps the ``min(topk, n_seen)`` keys of largest score among the
+    ``n_seen`` it sees; on an exact tie the smaller key index wins (``-0.0`` ties ``+0.0``), and a
+    NaN score ranks above +inf (so a diverged indexer shows in its selection, which stays
+    deterministic). The selection is a deterministic function of the inputs, computed without a
+    host synchronisation (compiled code and CUDA graphs alike).
+
+    Args:
+        q: ``[T, H, D]`` or batched ``[B, T, H, D]`` index queries (``H`` index heads);
+            bfloat16 or float16 (float32 on the reference backend).
+        k: ``[S, D]`` or ``[S, 1, D]``; batched ``[B, S, D]`` or ``[B, S, 1, D]``, each batch
+            element its own keys. q's dtype.
+        weights: ``[T, H]`` (batched ``[B, T, H]``) float32 head weights, any scale folded in
+            (DeepSeek-V3.2: ``weights_proj(x) * H**-0.5 * softmax_scale``).
+        topk: a Python int ``>= 0`` (a SymInt under ``torch.compile``; not a tensor).
+        causal: token ``t`` sees key ``s`` only if ``s <= pos[t]``: ``pos`` = ``q_positions``,
+            else ``S - T + t`` (bottom-right aligned, the rule of :func:`sparse_mla`). Without
+            it every token sees every key.
+        q_positions: with ``causal``: int32 or int64 ``[T]`` (batched ``[B, T]``, or ``[T]``
+            for every batch element), each token's position in key coordinates; values below 0
+            see no key, values ``>= S`` every key.
+        return_scores: also return each slot's score.
+
+    Returns:
+        ``indices [.., T, topk]`` int32: per row the selected keys in ASCENDING key index (not
+        by score), then -1 in the remaining slots (a row that sees fewer than ``topk`` keys,
+        and every slot past ``S`` when ``topk > S``); -1 is an empty slot for
+        :func:`sparse_mla` and :func:`indexer_target`. Batched indices are local to their batch
+        element, in ``[0, S)``. With ``return_scores``, ``(indices, scores)``: ``scores [.., T,
+        topk]`` float32, each slot's score (the definition's float32 value), 0 on -1 slots.
+        Neither carries a gradient.
+
+    Raises:
+        RuntimeError (every message starts ``lightning_indexer:``): q, k, weights not tensors,
+            q_positions not a tensor or None, topk not a Python int (a bool, float or tensor,
+            also 0-d) or negative; ranks of q, k, weights that match no layout above, a batch,
+            token, head or D mismatch, an unsupported dtype of q, k not of q's dtype, weights
+            not float32, tensors on different devices; q_positions without ``causal``, of a
+            non-integer dtype or a wrong shape (all of these also at trace time under
+            ``torch.compile``); a forced backend that cannot run here. On a CUDA device
+            without a kernel for the problem the reference runs, with a warning.
+    """
+    for name, t in (("q", q), ("k", k), ("weights", weights)):
+        _require_lightning(isinstance(t, Tensor),
+                           f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _require_lightning(
+        q_positions is None or isinstance(q_positions, Tensor),
+        f"q_positions must be a torch.Tensor or None, got {type(q_positions).__name__}",
+    )
+    if isinstance(topk, Tensor):
+        _require_lightning(False, f"topk must be a Python int, got a {topk.dim()}-d tensor; pass "
+                           "topk=int(t) outside the compiled region")
+    if isinstance(topk, bool) or not isinstance(topk, (numbers.Integral, torch.SymInt)):
+        _require_lightning(False, f"topk must be a Python int, got {topk!r}")
+    if not isinstance(topk, (int, torch.SymInt)):
+        topk = int(topk)  # e.g. a NumPy integer; a symbolic size stays symbolic
+    indices, scores = torch.ops.mla_inductor.lightning_indexer_entry(
+        q, k, weights, q_positions, bool(causal), topk
+    )
+    return (indices, scores) if return_scores else indices
+
+
+def _require_lightning(cond: bool, message: str) -> None:
+    """:func:`_require` for :func:`lightning_indexer`'s argument types."""
+    if not cond:
+        raise RuntimeError(f"lightning_indexer: {message}")

@@ -134,17 +134,27 @@ def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims) -> Mod
     return candidate if ok else _fall_back(direction, reason)
 
 
+def _op(direction: str) -> str:
+    """The name an error of ``direction`` starts with: the op's."""
+    return "lightning_indexer" if direction == "lightning_indexer" else "sparse_mla"
+
+
 def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) -> ModuleType:
-    """The backend module that runs ``direction`` (``"forward"``, ``"backward"`` or
-    ``"indexer_target"``: the protocol function of :mod:`mla_inductor.kernels` it calls).
+    """The backend module that runs ``direction`` (``"forward"``, ``"backward"``,
+    ``"indexer_target"`` or ``"lightning_indexer"``: the protocol function of
+    :mod:`mla_inductor.kernels` it calls).
 
     ``dims = (T, H, S, d_qk, d_v, features)`` (features: a frozenset of ``causal``, ``sink``,
-    ``max_logits``, ``dlse``; ``d_v`` 0 for the indexer target, which reads no values) lets ``auto`` skip a kernel backend that does not support the
+    ``max_logits``, ``dlse``; ``d_v`` 0 for the indexer target and the lightning indexer, which
+    read no values; the lightning indexer's T and S are per batch element and its d_qk is the
+    index head width D) lets ``auto`` skip a kernel backend that does not support the
     problem (its ``supports()`` says why) in favour of the reference; a forced backend raises.
     Every such fallback of ``auto`` on a CUDA device warns (see the module docstring), and so
     does a forced backend without the function (the indexer target on sm100), which
     runs the reference; a forced backend without a backward pairs with the reference backward
-    silently.
+    silently, and so does a forced ``emulate`` without the function (the lightning indexer,
+    whose kernels' arithmetic, float32 scores and an exact selection, is the reference's): both
+    are PyTorch on any device, so there is nothing to warn about.
 
     Raises:
         RuntimeError: when the requested backend cannot run here; the message names what is
@@ -157,7 +167,7 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) 
         chosen = module(name)
     except ImportError as error:
         raise RuntimeError(
-            f"sparse_mla: mla_inductor backend {name!r} cannot run here: {error}"
+            f"{_op(direction)}: mla_inductor backend {name!r} cannot run here: {error}"
         ) from error
     ok, reason = chosen.available()
     if ok and name in ("sm90", "sm100") and device.type != "cuda":
@@ -167,7 +177,11 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) 
     if ok and hasattr(chosen, direction):
         ok, reason = _supports(chosen, dtype, direction, dims)
     if not ok:
-        raise RuntimeError(f"sparse_mla: mla_inductor backend {name!r} cannot run here: {reason}")
+        raise RuntimeError(
+            f"{_op(direction)}: mla_inductor backend {name!r} cannot run here: {reason}"
+        )
+    if not hasattr(chosen, direction) and name == "emulate":
+        return module("reference")
     if direction == "backward" and not hasattr(chosen, direction):
         # A kernel backend without its own backward pairs with the reference backward, which
         # consumes the same (out, lse, o_lo).

@@ -7,10 +7,12 @@ samples under ``torch.no_grad()`` with the same compiled model.
 
 Per layer (shapes for batch ``B``, tokens ``T``, ``H`` heads):
 
-- the indexer scores earlier tokens with a low-rank product ``q_idx . k_idx`` under a causal
-  mask, always keeps the token itself, and takes the top ``topk``; slots beyond a token's
-  ``t + 1`` predecessors are ``-1`` (empty). It learns as in DeepSeek-V3.2's sparse training
-  stage: its input is detached, and its scores of the selected slots are pulled towards the main
+- a lightning indexer (:func:`mla_inductor.lightning_indexer`: ``index_heads`` heads of width
+  ``d_index``, ``score[t, s] = sum_h w[t, h] relu(q_idx[t, h] . k_idx[s])`` with head weights
+  ``w`` from the token) selects each token's top ``topk`` among the tokens ``s <= t`` (causal);
+  slots beyond a token's ``t + 1`` candidates are ``-1`` (empty). It learns as in DeepSeek-V3.2's
+  sparse training stage: its input is detached, and its scores of the selected slots are pulled
+  towards the main
   attention's head-summed, L1-normalised probabilities of those slots
   (:func:`mla_inductor.indexer_target`, from the lse the attention returns) by
   :func:`mla_inductor.indexer_kl_loss`, weighted by ``indexer_loss_weight`` and added to the LM
@@ -49,7 +51,7 @@ from torch import Tensor, nn
 
 from . import backends, logs
 from .threads import cpu_threads, default_threads
-from .api import indexer_kl_loss, indexer_target, sparse_mla
+from .api import indexer_kl_loss, indexer_target, lightning_indexer, sparse_mla
 
 VOCAB = 256  # bytes
 PROMPT = b"def __init__(self"
@@ -68,7 +70,8 @@ class Config:
     heads: int = 4
     layers: int = 2
     topk: int = 32
-    d_index: int = 16
+    index_heads: int = 4
+    d_index: Optional[int] = None
     indexer_loss_weight: float = 1.0
     lr: float = 3e-3
     val_batches: int = 8
@@ -80,9 +83,10 @@ class Config:
     seed: int = 0
 
     def resolved(self) -> "Config":
-        """On CUDA: bfloat16 and DeepSeek's d_latent 512, d_rope 64 (the shapes the GPU kernels
-        implement); elsewhere float32, d_latent 64, d_rope 16 (the reference backend takes any)
-        and one CPU thread (:func:`mla_inductor.threads.default_threads`, which says why)."""
+        """On CUDA: bfloat16 and DeepSeek's d_latent 512, d_rope 64 and index head width
+        d_index 128 (the shapes the GPU kernels implement); elsewhere float32, d_latent 64,
+        d_rope 16, d_index 16 (the reference backend takes any) and one CPU thread
+        (:func:`mla_inductor.threads.default_threads`, which says why)."""
         cuda = torch.device(self.device).type == "cuda"
 
         def pick(value, on_cuda, elsewhere):
@@ -92,6 +96,7 @@ class Config:
             self,
             d_latent=pick(self.d_latent, 512, 64),
             d_rope=pick(self.d_rope, 64, 16),
+            d_index=pick(self.d_index, 128, 16),
             dtype=pick(self.dtype, "bfloat16", "float32"),
             threads=default_threads(self.device) if self.threads is None else self.threads,
         )
@@ -150,32 +155,36 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Indexer(nn.Module):
-    """DSA indexer: ``(indices [B, T, topk] int32, logits [B, T, topk] float32)``: the
-    highest-scoring tokens ``j <= t`` and their scores.
+    """DSA's lightning indexer: ``(indices [B, T, k] int32, logits [B, T, k] float32)``, ``k =
+    min(topk, T)``: each token's highest-scoring tokens ``j <= t`` (ascending, then -1 where it
+    has fewer than ``k``) and their scores.
 
-    Scores are ``q_idx[t] . k_idx[j]`` (rank ``d_index``) of the detached input, so the indexer's
-    gradient (from :func:`mla_inductor.indexer_kl_loss` on ``logits``) reaches its projections
-    only, as in DSA; the token itself is always selected; slots beyond the ``t + 1`` available
-    tokens are -1 (their logits are whatever was gathered; the loss does not read them).
+    ``score[t, j] = sum_h w[t, h] relu(q[t, h] . k[j])`` over ``heads`` index heads of width
+    ``d_index`` (DeepSeek-V3.2-Exp, section 2.1), ``w = weights(x) * (heads * d_index)**-0.5``,
+    of the detached input, so the indexer's gradient (from :func:`mla_inductor.indexer_kl_loss`
+    on ``logits``) reaches its projections only, as in DSA. The selection is
+    :func:`mla_inductor.lightning_indexer` (causal); the logits of the selected slots are formed
+    again here with autograd (on -1 slots from token 0; the loss does not read them).
     """
 
-    def __init__(self, d_model: int, d_index: int, topk: int):
+    def __init__(self, d_model: int, d_index: int, heads: int, topk: int):
         super().__init__()
-        self.wq = nn.Linear(d_model, d_index, bias=False)
+        self.wq = nn.Linear(d_model, heads * d_index, bias=False)
         self.wk = nn.Linear(d_model, d_index, bias=False)
-        self.topk = topk
+        self.weights = nn.Linear(d_model, heads, bias=False)
+        self.heads, self.d_index, self.topk = heads, d_index, topk
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        T = x.shape[1]
+        B, T, _ = x.shape
         x = x.detach()
-        scores = (self.wq(x) @ self.wk(x).transpose(1, 2)).float()  # [B, T, T]
-        with torch.no_grad():
-            pos = torch.arange(T, device=x.device)
-            ranked = scores.masked_fill(pos[None, :] > pos[:, None], -math.inf)
-            ranked = ranked.masked_fill(pos[None, :] == pos[:, None], math.inf)
-            values, picked = ranked.topk(min(self.topk, T), dim=-1)
-        indices = torch.where(values == -math.inf, -1, picked).to(torch.int32)
-        return indices, scores.gather(-1, picked)
+        q = self.wq(x).view(B, T, self.heads, self.d_index)
+        k = self.wk(x)
+        w = self.weights(x).float() * (self.heads * self.d_index) ** -0.5
+        indices = lightning_indexer(q, k.to(q.dtype), w, min(self.topk, T), causal=True)
+        rows = indices.clamp(min=0).long().view(B, -1, 1).expand(-1, -1, self.d_index)
+        picked = k.gather(1, rows).view(B, T, -1, self.d_index).float()
+        dots = torch.einsum("bthd,btjd->bthj", q.float(), picked).relu()
+        return indices, torch.einsum("bth,bthj->btj", w, dots)
 
 
 class SparseMLA(nn.Module):
@@ -190,7 +199,7 @@ class SparseMLA(nn.Module):
         self.wkv = nn.Linear(cfg.d_model, d_qk, bias=False)
         self.kv_norm = nn.RMSNorm(cfg.d_latent)
         self.wo = nn.Linear(cfg.heads * cfg.d_latent, cfg.d_model, bias=False)
-        self.indexer = Indexer(cfg.d_model, cfg.d_index, cfg.topk)
+        self.indexer = Indexer(cfg.d_model, cfg.d_index, cfg.index_heads, cfg.topk)
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """``q [B, T, H, d_qk]`` and ``kv [B, T, d_qk]`` in the attention's dtype."""
@@ -481,14 +490,15 @@ def _run(cfg: Config, out: Callable[[str], None]) -> Report:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
 
-    names = {d: backends.select(device, dtype, d).__name__ for d in ("forward", "backward")}
+    names = {d: backends.select(device, dtype, d).__name__
+             for d in ("forward", "backward", "lightning_indexer")}
     where = str(device)
     if device.type == "cuda":
         where += f" ({torch.cuda.get_device_name(device)})"
     out(f"device {where}, dtype {cfg.dtype}, torch {torch.__version__}, "
         f"{cfg.threads} CPU thread(s)")
     out(f"backend requested: {backends.requested()}; in use: forward {names['forward']}, "
-        f"backward {names['backward']}")
+        f"backward {names['backward']}, indexer {names['lightning_indexer']}")
 
     data = load_corpus()
     split = int(0.9 * len(data))
@@ -583,7 +593,9 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--heads", type=int, default=d.heads, help="query heads")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--topk", type=int, default=d.topk, help="tokens each token attends to")
-    p.add_argument("--d-index", type=int, default=d.d_index, help="indexer rank")
+    p.add_argument("--index-heads", type=int, default=d.index_heads, help="indexer heads")
+    p.add_argument("--d-index", type=int,
+                   help="indexer head width (default: 128 on cuda, else 16)")
     p.add_argument("--indexer-loss-weight", type=float, default=d.indexer_loss_weight,
                    help="weight of the indexer's KL loss next to the LM loss (0: the indexer "
                    "keeps its random initialisation)")

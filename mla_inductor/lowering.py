@@ -58,6 +58,7 @@ def install() -> bool:
         torch.ops.mla_inductor.sparse_mla_fwd.default,
         torch.ops.mla_inductor.sparse_mla_bwd.default,
         torch.ops.mla_inductor.indexer_target.default,
+        torch.ops.mla_inductor.lightning_indexer.default,
     ):
         if op not in lowerings:
             make_fallback(op, layout_constraint=require_contiguous, warn=False)

@@ -314,3 +314,135 @@ def check_no_forward_ad(q: torch.Tensor, kv: torch.Tensor) -> None:
         "a reverse-mode gradient only; use torch.autograd (loss.backward(), "
         "torch.autograd.grad)",
     )
+
+
+# The lightning indexer (:mod:`mla_inductor.lightning_indexer`).
+
+
+def _lightning_check(cond, message: str) -> None:
+    require(cond, lambda: f"lightning_indexer: {message}")
+
+
+def check_lightning_layout(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    causal: bool,
+    q_positions: Optional[torch.Tensor],
+) -> None:
+    """Checks the ranks of a :func:`mla_inductor.lightning_indexer` call before it is brought
+    to the canonical layout: ``q [T, H, D]`` with ``k [S, D]`` or ``[S, 1, D]`` and ``weights
+    [T, H]``; batched ``q [B, T, H, D]`` with ``k [B, S, D]`` or ``[B, S, 1, D]`` and ``weights
+    [B, T, H]``; ``q_positions`` (only with ``causal``) an integer ``[T]`` or, batched, ``[B, T]``.
+    Sizes, dtypes and devices are checked on the canonical tensors
+    (:func:`check_lightning_inputs`).
+
+    Raises:
+        RuntimeError: naming the layout expected and the shape found.
+    """
+    _lightning_check(
+        q.dim() in (3, 4),
+        f"q must be [T, H, D] or batched [B, T, H, D], got shape {tuple(q.shape)}",
+    )
+    batched = q.dim() == 4
+    k_ranks = (3, 4) if batched else (2, 3)
+    k_layout = "[B, S, D] or [B, S, 1, D]" if batched else "[S, D] or [S, 1, D]"
+    q_layout = "[B, T, H, D]" if batched else "[T, H, D]"
+    _lightning_check(
+        k.dim() in k_ranks and (k.dim() == k_ranks[0] or k.shape[-2] == 1),
+        f"k must be {k_layout} with q {q_layout} (one key row per token, shared by all index "
+        f"heads), got shape {tuple(k.shape)}",
+    )
+    _lightning_check(
+        weights.dim() == q.dim() - 1,
+        f"weights must be {'[B, T, H]' if batched else '[T, H]'} with q {q_layout}, got shape "
+        f"{tuple(weights.shape)}",
+    )
+    _lightning_check(
+        causal or q_positions is None,
+        "q_positions is only read with causal=True (it gives each token's position for the "
+        "causal rule); pass causal=True or drop q_positions",
+    )
+    if q_positions is not None:
+        dtype = q_positions.dtype
+        _lightning_check(
+            not q_positions.is_floating_point() and not q_positions.is_complex()
+            and dtype != torch.bool,
+            f"q_positions must be an integer tensor (int32 or int64), got {dtype}",
+        )
+        T = q.shape[-3]
+        ok = q_positions.dim() == 1 and q_positions.shape[0] == T
+        if batched:
+            ok = ok or (q_positions.dim() == 2 and q_positions.shape[0] == q.shape[0]
+                        and q_positions.shape[1] == T)
+        _lightning_check(
+            ok,
+            f"q_positions must be [T] = [{T}]"
+            + (f" or [B, T] = [{q.shape[0]}, {T}]" if batched else "")
+            + f", got shape {tuple(q_positions.shape)}",
+        )
+        _lightning_check(q_positions.device == q.device,
+                         f"q_positions on {q_positions.device}, q on {q.device}")
+
+
+def check_lightning_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    q_positions: Optional[torch.Tensor],
+    topk,
+) -> None:
+    """Checks the canonical inputs of ``torch.ops.mla_inductor.lightning_indexer``: ``q [B, T,
+    H, D]`` bfloat16 / float16 / float32, ``k [B, S, D]`` of q's dtype, ``weights [B, T, H]``
+    float32, ``q_positions [B, T]`` int32 or None, ``topk >= 0`` (an int or a SymInt), all on
+    q's device.
+
+    Raises:
+        RuntimeError: a wrong rank, size, dtype or device, or a negative topk.
+    """
+    _lightning_check(q.dim() == 4, f"q must be [B, T, H, D], got shape {tuple(q.shape)}")
+    _lightning_check(k.dim() == 3, f"k must be [B, S, D], got shape {tuple(k.shape)}")
+    _lightning_check(
+        weights.dim() == 3, f"weights must be [B, T, H], got shape {tuple(weights.shape)}"
+    )
+    _lightning_check(
+        q.dtype in SUPPORTED_DTYPES,
+        f"q has unsupported dtype {q.dtype}; use bfloat16, float16 (or float32 on the reference "
+        "backend)",
+    )
+    _lightning_check(k.dtype == q.dtype, f"k dtype {k.dtype} differs from q dtype {q.dtype}")
+    _lightning_check(
+        weights.dtype == torch.float32,
+        f"weights must be float32 (the head weights, any scale folded in), got {weights.dtype}",
+    )
+    B, T, H, D = q.shape
+    _lightning_check(
+        k.shape[0] == B and weights.shape[0] == B,
+        f"batch size differs: q [B, T, H, D] has B={B}, k [B, S, D] has {k.shape[0]}, weights "
+        f"[B, T, H] has {weights.shape[0]}",
+    )
+    _lightning_check(
+        k.shape[2] == D, f"mismatched D: q [.., H, D] has D={D}, k [.., S, D] has {k.shape[2]}"
+    )
+    _lightning_check(
+        weights.shape[1] == T and weights.shape[2] == H,
+        f"weights must be [T, H] = [{T}, {H}] per batch element (q's tokens and index heads), "
+        f"got shape {tuple(weights.shape[1:])}",
+    )
+    _lightning_check(
+        k.device == q.device and weights.device == q.device,
+        f"tensors on different devices: q {q.device}, k {k.device}, weights {weights.device}",
+    )
+    _lightning_check(topk >= 0, f"topk must be >= 0, got {topk}")
+    if q_positions is not None:
+        _lightning_check(
+            q_positions.dim() == 2 and q_positions.shape[0] == B and q_positions.shape[1] == T,
+            f"q_positions must be [B, T] = [{B}, {T}], got shape {tuple(q_positions.shape)}",
+        )
+        _lightning_check(
+            q_positions.dtype == torch.int32,
+            f"q_positions must be int32 (the lightning_indexer API also takes int64), got "
+            f"{q_positions.dtype}",
+        )
+        _lightning_check(q_positions.device == q.device,
+                         f"q_positions on {q_positions.device}, q on {q.device}")

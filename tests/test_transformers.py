@@ -10,9 +10,11 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mla_inductor.integrations import transformers as hf
-from mla_inductor.integrations import transformers_indexer
+from mla_inductor.integrations.transformers_indexer import Visibility
+from mla_inductor.kernels import reference_lightning
 from transformers import (
     DeepseekV32Config,
     DynamicCache,
@@ -24,13 +26,18 @@ from transformers import (
 from conftest import rel_l2
 
 VOCAB = 128
-# 2 layers, H 4, topk 16 over T 64-128; layer 1 is a mixture of experts.
+# 2 layers, H 4, topk 16 over T 64-128; layer 1 is a mixture of experts. 8 index heads: with 2, a
+# quarter of the keys score exactly 0 (both heads' relu 0) and rows whose head weights are all
+# negative rank those zeros first, so which of the tied keys is kept (torch.topk's tie order in
+# the unswitched model, the smaller key index on the op) changes the logits by 4-5% without
+# either choice being wrong; tests/test_transformers_indexer.py checks 2-head selections against
+# their float64 definition, ties allowed.
 TINY = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
     num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
     n_group=1, topk_group=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
     kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, index_topk=16,
-    index_head_dim=16, index_n_heads=2, max_position_embeddings=256, attn_implementation="eager",
+    index_head_dim=16, index_n_heads=8, max_position_embeddings=256, attn_implementation="eager",
 )
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
@@ -114,25 +121,78 @@ def test_batch_with_left_padding(name):
 
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
 def test_logits_with_one_token_indexer_chunks_match_eager(name, monkeypatch):
-    """The switched model's indexer top-k in chunks of one query token (each scoring only the keys
-    up to its token) against the unswitched model on eager attention, with 8 index heads: with
-    TINY's 2, a quarter of the keys score exactly 0 (both heads' relu 0) and rows whose head
-    weights are all negative rank those zeros first, so which of the tied keys is kept (topk's
-    tie order, which depends on the width scored) changes the logits by 4-5% without either
-    choice being wrong; tests/test_transformers_indexer.py checks the 2-head top-k against its
-    float64 definition, ties allowed."""
-    config = dict(TINY, index_n_heads=8)
-    torch.manual_seed(0)
-    model = (DeepseekV32ForCausalLM(DeepseekV32Config(**config)) if name == "deepseek_v32" else
-             GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**config, indexer_types=["full", "shared"])))
-    model.eval()
+    """The switched model's indexer top-k in chunks of one query token against the unswitched
+    model on eager attention."""
+    model = _model(name)
     ids = _ids(2, 64)
     with torch.no_grad():
         ref = model(ids, use_cache=False).logits
         hf.apply(model)
-        monkeypatch.setattr(transformers_indexer, "SCORE_BYTES", 1)
+        monkeypatch.setattr(reference_lightning, "SCORE_BYTES", 1)
         chunked = model(ids, use_cache=False).logits
     assert rel_l2(chunked, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_padding_with_holes_and_packed_sequences_match_eager(name):
+    """A 2D mask that hides keys in the middle of a row (not only a prefix), and packed
+    sequences (position_ids restarting, no mask: transformers' block-diagonal mask, which the
+    switched model takes dense). Hidden and padded positions themselves are not compared."""
+    model = _model(name)
+    ids = _ids(2, 64)
+    mask = torch.ones_like(ids)
+    mask[0, 20:30] = 0
+    mask[1, :5] = mask[1, 40] = 0
+    packed = torch.cat((torch.arange(30), torch.arange(34)))[None].expand(2, 64)
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask, use_cache=False).logits
+        ref_packed = model(ids, position_ids=packed, use_cache=False).logits
+        hf.apply(model)
+        out = model(ids, attention_mask=mask, use_cache=False).logits
+        out_packed = model(ids, position_ids=packed, use_cache=False).logits
+    keep = mask.bool()
+    assert rel_l2(out[keep], ref[keep]) <= 1e-5
+    assert rel_l2(out_packed, ref_packed) <= 1e-5
+    assert rel_l2(ref_packed[:, 30:], model(ids, use_cache=False).logits[:, 30:]) > 1e-2
+
+
+class _LargestSquare(TorchDispatchMode):
+    """Records every tensor shape an op returns with two sizes equal to ``T`` (a ``[.., T, S]``
+    tensor when T = S). The op itself is one call here: what it makes inside (its bounded
+    chunks) is not seen."""
+
+    def __init__(self, T):
+        super().__init__()
+        self.T, self.found = T, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and list(t.shape).count(self.T) >= 2:
+                self.found.add((str(func), tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "padding_mask"])
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_the_switched_model_holds_no_tokens_by_keys_tensor(name, padded):
+    """T = S = 80 (no other size of the model is 80): the unswitched model makes ``[B, 1, T,
+    S]`` masks and scores; the switched one, which makes the model build positions and the key
+    padding instead of its mask (and sets, then on remove restores, the attention
+    implementation), makes no tensor with two sizes of 80."""
+    model = _model(name)
+    ids = _ids(2, 80)
+    kwargs = dict(attention_mask=torch.ones_like(ids)) if padded else {}
+    with torch.no_grad(), _LargestSquare(80) as theirs:
+        model(ids, use_cache=False, **kwargs)
+    assert any(shape[-2:] == (80, 80) for _, shape in theirs.found)
+    hf.apply(model)
+    assert model.config._attn_implementation == hf.ATTN_IMPLEMENTATION
+    with torch.no_grad(), _LargestSquare(80) as ours:
+        model(ids, use_cache=False, **kwargs)
+    assert ours.found == set()
+    hf.remove(model)
+    assert model.config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["one_chunk", "chunk1"])
@@ -144,7 +204,7 @@ def test_greedy_generation_with_cache(name, cache, chunked, monkeypatch):
     left-padded by 7 tokens (its unfilled rows and the padding are hidden by the mask). ``chunk1``:
     the switched indexer scores one query token at a time."""
     if chunked:
-        monkeypatch.setattr(transformers_indexer, "SCORE_BYTES", 1)
+        monkeypatch.setattr(reference_lightning, "SCORE_BYTES", 1)
     model = _model(name)
     B = 1 if cache == "dynamic" else 2
     ids = _ids(B, 40)
@@ -179,16 +239,24 @@ def _layer_kwargs(model: nn.Module, x: torch.Tensor) -> dict:
                 position_embeddings=model.model.rotary_emb(x, pos))
 
 
+@pytest.mark.parametrize("mask", ["dense", "positions", "padding"])
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
-def test_decoder_layer_compiles_fullgraph(name):
+def test_decoder_layer_compiles_fullgraph(name, mask):
     """A switched decoder layer under torch.compile(fullgraph=True) (a graph break raises), forward
-    and backward, matches the same layer in eager."""
+    and backward, matches the same layer in eager: on the model's dense additive mask, on
+    positions, and on positions with a key padding mask (row 1 hides its first 9 keys)."""
     model = _model(name).train()
     hf.apply(model)
     layer = model.model.layers[0]
     B, T = 2, 64
     x = torch.randn(B, T, model.config.hidden_size, requires_grad=True)
     kwargs = _layer_kwargs(model, x)
+    if mask != "dense":
+        keys = None
+        if mask == "padding":
+            keys = torch.ones(B, T, dtype=torch.bool)
+            keys[1, :9] = False
+        kwargs["attention_mask"] = Visibility(torch.arange(T), keys)
 
     def run(fn):
         out = fn(x, **kwargs)

@@ -1,14 +1,17 @@
-"""mla_inductor.integrations.transformers_indexer: the indexer's top-k in query chunks against a
-float64 computation of transformers 5.24's ``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer`` definition
-(from a float64 copy of the same module's submodules and the model's RoPE function), tiny
-random-init configs, float32, CPU.
+"""mla_inductor.integrations.transformers_indexer: the indexer's top-k on the lightning_indexer op
+against a float64 computation of transformers 5.24's ``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer``
+definition (from a float64 copy of the same module's submodules and the model's RoPE function),
+tiny random-init configs, float32, CPU.
 
-The chunked indexer is not bitwise transformers' (its GEMMs differ), so at a near-tie it may keep
-the other key, and many keys tie exactly at score 0 (every head's relu 0): each row's selection is
-checked by what stays true (:func:`_problems`): the selected keys the row sees, in the order
-returned, have the float64 scores of the float64 top-k within a tight tolerance; exactly
-``min(index_topk, visible)`` of them, first; the rest of the row names distinct keys the mask
-hides. transformers' own indices pass the same check, and a wrong RoPE fails it."""
+The op is not bitwise transformers' (its GEMMs differ), so at a near-tie it may keep the other
+key, and many keys tie exactly at score 0 (every head's relu 0): each row's selection is checked
+by what stays true (:func:`_problems`): ``n = min(index_topk, keys seen)`` seen keys in ascending
+key index, then -1; no selected key scores below the float64 n-th largest, and no key left out
+above it, beyond a tight tolerance. transformers' own indices pass the same check (brought to
+that form), and a wrong RoPE fails it. Both kinds of visibility are checked: a dense mask (bool
+or additive) and :class:`~mla_inductor.integrations.transformers_indexer.Visibility` (positions
+and a key padding mask), which must select exactly as the equivalent dense mask.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 
 from mla_inductor.integrations import transformers_indexer as ti
+from mla_inductor.kernels import reference_lightning
 
 # The indexer's widths of tests/test_transformers.py's TINY (index_topk 16, 2 heads of 16, rope 8).
 SIZES = dict(hidden_size=64, q_lora_rank=32, qk_rope_head_dim=8, index_topk=16, index_head_dim=16,
@@ -87,65 +91,124 @@ def _reference(indexer, rope, x, q_resid, pe, mask):
 def _problems(indices, score, seen, bound, topk: int) -> list[str]:
     """What is wrong with ``indices [B, T, k]`` as the top-``topk`` of float64 ``score [B, T, S]``
     (:func:`_reference`, its ``seen`` and ``bound``): an empty list if nothing. Per row: ``k =
-    min(topk, S)`` slots of distinct keys in ``[0, S)``; the first ``n = min(topk, keys seen)``
-    name seen keys whose scores, in the order given, are the float64 top-n's within ``TOL ·
-    bound``; the others name keys the row does not see."""
+    min(topk, S)`` slots; the first ``n = min(topk, keys seen)`` name seen keys in ascending
+    order, the others are -1; no selected key's score is below the float64 n-th largest, and no
+    seen key left out scores above it, by more than ``TOL · bound``."""
     B, T, S = score.shape
     found = []
     if indices.shape != (B, T, min(topk, S)) or indices.dtype != torch.int32:
         return [f"shape {tuple(indices.shape)} dtype {indices.dtype}"]
     idx = indices.long()
-    if idx.min() < 0 or idx.max() >= S:
-        return ["an index outside [0, S)"]
     for b in range(B):
         for t in range(T):
             row, n = idx[b, t], min(topk, int(seen[b, t].sum()))
-            if row.unique().numel() != row.numel():
-                found.append(f"row {b, t}: a key named twice")
-            if not (seen[b, t, row[:n]].all() and not seen[b, t, row[n:]].any()):
-                found.append(f"row {b, t}: not {n} seen keys then hidden ones")
+            if not ((row[n:] == -1).all() and (row[:n] >= 0).all() and (row[:n] < S).all()):
+                found.append(f"row {b, t}: not {n} keys then -1")
                 continue
-            best = score[b, t].topk(n).values
-            worst = (score[b, t, row[:n]] - best).abs().max().item() if n else 0.0
-            if worst > TOL * bound[b, t].item():
-                found.append(f"row {b, t}: scores off by {worst:.3g} (bound {bound[b, t]:.3g})")
+            keys = row[:n]
+            if not (seen[b, t, keys].all() and (keys[1:] > keys[:-1]).all()):
+                found.append(f"row {b, t}: a key not seen, or not in ascending order")
+                continue
+            if n == 0:
+                continue
+            kth = score[b, t].topk(n).values[-1]
+            left = score[b, t].clone()
+            left[keys] = float("-inf")
+            tol = TOL * bound[b, t].item()
+            if score[b, t, keys].min() < kth - tol or left.max() > kth + tol:
+                found.append(f"row {b, t}: not the top {n} within {tol:.3g}")
     return found
 
 
-@pytest.mark.parametrize("bool_mask", [True, False], ids=["bool", "float"])
+def _theirs(indices, seen):
+    """transformers' indices in the op's form: the seen keys in ascending order, then -1."""
+    shown = torch.where(seen.gather(-1, indices.long()), indices.long(), S_BIG)
+    shown = shown.sort(-1).values
+    return torch.where(shown == S_BIG, -1, shown).to(torch.int32)
+
+
+S_BIG = 2**31
+
+
+def _visibility(mask, pad: int):
+    """The :class:`Visibility` of :func:`_inputs`' mask: positions 0..T-1 and, with padding, the
+    key padding mask (rows 1.. hide their first ``pad`` keys)."""
+    B, T = mask.shape[0], mask.shape[1]
+    keys = None
+    if pad:
+        keys = torch.ones(B, T, dtype=torch.bool)
+        keys[1:, :pad] = False
+    return ti.Visibility(torch.arange(T), keys)
+
+
+MASKS = ["bool", "float", "visibility"]
+
+
+def _as_given(kind, mask, pad):
+    return _visibility(mask, pad) if kind == "visibility" else mask
+
+
+@pytest.mark.parametrize("kind", MASKS)
 @pytest.mark.parametrize("chunk", [1, 7, None], ids=["chunk1", "chunk7", "one_chunk"])
 @pytest.mark.parametrize("name", MODELS)
-def test_topk_matches_the_float64_definition(name, chunk, bool_mask):
-    """A batch of 2 over T 100 (7 does not divide it; row 1 left-padded by 10 tokens, so its
-    first 10 query rows see nothing and a 7-token chunk there sees no key at all; rows 0-14 see
-    fewer keys than index_topk 16), and T 8 < index_topk (top-8 of 8 keys). transformers' own
-    indices pass the same check."""
+def test_topk_matches_the_float64_definition(name, chunk, kind, monkeypatch):
+    """A batch of 2 over T 100 (row 1 left-padded by 10 tokens, so its first 10 query rows see
+    nothing; rows 0-14 see fewer keys than index_topk 16), and T 8 < index_topk (top-8 of 8
+    keys), in chunks of 1, 7 (not dividing T) or all query tokens. transformers' own indices
+    pass the same check."""
     indexer, rope, rotary = _indexer(name)
     for B, T in ((2, 100), (1, 8)):
-        x, q_resid, pe, mask, pos = _inputs(indexer, rotary, B, T, pad=10, bool_mask=bool_mask)
-        budget = None if chunk is None else chunk * indexer.n_heads * T * 4
-        per_chunk = ti.chunk_tokens(indexer.n_heads, T, budget or ti.SCORE_BYTES)
-        assert per_chunk == chunk if chunk else per_chunk >= T
-        ours = ti.indexer_topk(indexer, rope, x, q_resid, pe, mask, score_bytes=budget)
+        pad = 10 if B > 1 else 0
+        x, q_resid, pe, mask, pos = _inputs(indexer, rotary, B, T, pad=pad,
+                                            bool_mask=kind != "float")
+        if chunk is not None:
+            per_row = T * (4 * indexer.n_heads + 48)
+            monkeypatch.setattr(reference_lightning, "SCORE_BYTES", chunk * per_row)
+        ours = ti.indexer_topk(indexer, rope, x, q_resid, pe, _as_given(kind, mask, pad))
         ref = _reference(indexer, rope, x, q_resid, pe, mask)
         assert _problems(ours, *ref, topk=16) == []
-        assert _problems(indexer(x, q_resid, pe, mask, pos), *ref, topk=16) == []
+        theirs = _theirs(indexer(x, q_resid, pe, mask, pos), ref[1])
+        assert _problems(theirs, *ref, topk=16) == []
 
 
-@pytest.mark.parametrize("chunk", [1, 7], ids=["chunk1", "chunk7"])
 @pytest.mark.parametrize("name", MODELS)
-def test_topk_with_a_cache(name, chunk):
+def test_visibility_selects_exactly_as_its_dense_mask(name):
+    """Positions with a key padding mask that has holes (not only a prefix: row 0 hides keys
+    20-29 and 50, row 1 its first 7) and positions beyond both ends: the same indices as the
+    dense mask they stand for (causal AND padding)."""
+    indexer, rope, rotary = _indexer(name)
+    B, T = 2, 64
+    x, q_resid, pe, _, _ = _inputs(indexer, rotary, B, T, pad=0, bool_mask=True)
+    keys = torch.ones(B, T, dtype=torch.bool)
+    keys[0, 20:30] = keys[0, 50] = keys[1, :7] = False
+    positions = torch.arange(T)[None].repeat(B, 1)
+    positions[1, :3] = torch.tensor([-5, -1, 200])
+    dense = (torch.arange(T) <= positions[..., None]) & keys[:, None, :]
+    got = ti.indexer_topk(indexer, rope, x, q_resid, pe, ti.Visibility(positions, keys))
+    want = ti.indexer_topk(indexer, rope, x, q_resid, pe, dense)
+    assert torch.equal(got, want)
+    assert (got[1, :2] == -1).all() and (got[1, 2] >= 7).all()
+    assert not torch.isin(got[0], torch.tensor([20, 21, 25, 29, 50])).any()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_topk_with_a_cache(name, monkeypatch):
     """A 40-token prefill then 4 single-token steps over a left-padded batch of 2, each side with
-    its own ``DynamicCache``: at every step the float64 check over every cached key, and the same
-    cached indexer keys as the model's indexer writes."""
+    its own ``DynamicCache``, the op's side on positions and key padding in chunks of 7 tokens:
+    at every step the float64 check over every cached key, and the same cached indexer keys as
+    the model's indexer writes."""
     indexer, rope, rotary = _indexer(name)
     x, q_resid, pe, mask, pos = _inputs(indexer, rotary, 2, 44, pad=7, bool_mask=False)
     score, seen, bound = _reference(indexer, rope, x, q_resid, pe, mask)
     caches = [DynamicCache(config=indexer.config) for _ in range(2)]
+    monkeypatch.setattr(reference_lightning, "SCORE_BYTES", 7 * 44 * (4 * 2 + 48))
+    keys = torch.ones(2, 44, dtype=torch.bool)
+    keys[1:, :7] = False
     for t0, t1 in ((0, 40), (40, 41), (41, 42), (42, 43), (43, 44)):
-        step = (x[:, t0:t1], q_resid[:, t0:t1], tuple(r[:, t0:t1] for r in pe), mask[:, t0:t1, :t1])
-        indexer(*step, pos[:, t0:t1], cache=caches[0])
-        ours = ti.indexer_topk(indexer, rope, *step, caches[1], score_bytes=chunk * 2 * t1 * 4)
+        step = (x[:, t0:t1], q_resid[:, t0:t1], tuple(r[:, t0:t1] for r in pe))
+        indexer(*step, mask[:, t0:t1, :t1], pos[:, t0:t1], cache=caches[0])
+        ours = ti.indexer_topk(indexer, rope, *step,
+                               ti.Visibility(torch.arange(t0, t1), keys[:, :t1]), caches[1])
         rows = (score[:, t0:t1, :t1], seen[:, t0:t1, :t1], bound[:, t0:t1])
         assert ours.shape == (2, t1 - t0, 16)
         assert _problems(ours, *rows, topk=16) == []
@@ -165,53 +228,38 @@ def test_the_indexers_rope_decides():
 
 
 class _Record(TorchDispatchMode):
-    """Records the size in bytes of the largest float32 tensor any op returns, and the shape of
-    every ``aten.mm`` output of ``mm_rows`` rows (a chunk's scores; not the projections')."""
+    """Records the size in bytes of the largest float32 tensor any op returns."""
 
-    def __init__(self, mm_rows: int = 0):
+    def __init__(self):
         super().__init__()
-        self.largest, self.mm, self.mm_rows = 0, [], mm_rows
+        self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.mm.default and out.shape[0] == self.mm_rows:
-            self.mm.append(tuple(out.shape))
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
                 self.largest = max(self.largest, t.numel() * 4)
         return out
 
 
+@pytest.mark.parametrize("kind", MASKS)
 @pytest.mark.parametrize("name", MODELS)
-def test_scores_stay_within_the_budget(name):
-    """16 index heads, T = S = 256, a 64 KiB budget (4 tokens per chunk): the model's indexer
-    makes float32 tensors of ``[1, T, 16, S]`` (4 MiB) and more; ours none larger than its
-    queries ``[1, T, 16, 16]`` (256 KiB)."""
+def test_scores_stay_within_the_budget(name, kind, monkeypatch):
+    """16 index heads, T = S = 256: the model's indexer makes float32 tensors of ``[1, T, 16, S]``
+    (4 MiB) and more; ours (on a dense mask, at a budget of 4 tokens per chunk) none larger than
+    a chunk's scores ``[4·16, S]`` (64 KiB), and on positions none larger than its queries
+    ``[1, T, 16, 16]`` (256 KiB; the op's own chunks are bounded the same way, within it)."""
     indexer, rope, rotary = _indexer(name, index_n_heads=16)
     T = 256
     x, q_resid, pe, mask, pos = _inputs(indexer, rotary, 1, T, pad=0, bool_mask=True)
+    monkeypatch.setattr(reference_lightning, "SCORE_BYTES", 4 * T * (4 * 16 + 48))
     with _Record() as theirs:
         indexer(x, q_resid, pe, mask, pos)
     with _Record() as ours:
-        got = ti.indexer_topk(indexer, rope, x, q_resid, pe, mask, score_bytes=2**16)
+        got = ti.indexer_topk(indexer, rope, x, q_resid, pe, _as_given(kind, mask, 0))
     assert _problems(got, *_reference(indexer, rope, x, q_resid, pe, mask), topk=16) == []
     assert theirs.largest >= T * 16 * T * 4
     assert ours.largest == T * 16 * 16 * 4
-
-
-@pytest.mark.parametrize("bool_mask", [True, False], ids=["bool", "float"])
-def test_each_chunk_scores_only_the_keys_it_sees(bool_mask):
-    """Causal T = S = 96 in chunks of 8 tokens (16 heads): chunk i's single GEMM is ``[8·16,
-    8·(i + 1)]``, keys up to its last token. The batch's row 1, left-padded by 20 tokens, scores
-    nothing in its first two chunks (they see no key) and the same widths after."""
-    indexer, rope, rotary = _indexer("deepseek_v32", index_n_heads=16)
-    T = 96
-    x, q_resid, pe, mask, pos = _inputs(indexer, rotary, 2, T, pad=20, bool_mask=bool_mask)
-    with _Record(mm_rows=8 * 16) as rec:
-        got = ti.indexer_topk(indexer, rope, x, q_resid, pe, mask, score_bytes=8 * 16 * T * 4)
-    widths = [8 * (i + 1) for i in range(12)]
-    assert rec.mm == [(128, w) for w in widths] + [(128, w) for w in [0, 0] + widths[2:]]
-    assert _problems(got, *_reference(indexer, rope, x, q_resid, pe, mask), topk=16) == []
 
 
 @pytest.mark.cuda
@@ -220,18 +268,23 @@ def test_each_chunk_scores_only_the_keys_it_sees(bool_mask):
 @pytest.mark.parametrize("name", MODELS)
 def test_half_precision_layer_on_cuda(name, dtype):
     """A bfloat16 / float16 layer on CUDA scores the layer's own q and k on tensor cores into
-    float32: the selections against a float64 computation from those same (rounded) q, k and
-    the module's head weights, as the float32 path is checked above."""
+    float32 (on a dense mask and on positions): the selections against a float64 computation
+    from those same (rounded) q, k and the module's head weights, as the float32 path is checked
+    above."""
     indexer, rope, rotary = _indexer(name)
     indexer = indexer.to("cuda", dtype)
     x, q_resid, pe, mask, _ = _inputs(indexer, rotary, 2, 100, pad=10, bool_mask=True)
     x, q_resid, mask = x.to("cuda", dtype), q_resid.to("cuda", dtype), mask.cuda()
     pe = tuple(p.to("cuda", dtype) for p in pe)
-    ours = ti.indexer_topk(indexer, rope, x, q_resid, pe, mask, score_bytes=7 * 2 * 100 * 4)
+    ours = ti.indexer_topk(indexer, rope, x, q_resid, pe, mask)
+    vis = _visibility(mask, 10)
+    on_positions = ti.indexer_topk(indexer, rope, x, q_resid, pe,
+                                   ti.Visibility(vis.positions.cuda(), vis.keys.cuda()))
     with torch.no_grad():
         q, k = ti.index_queries(indexer, rope, q_resid, pe), ti.index_keys(indexer, rope, x, pe)
         w = indexer.weights_proj(x).double() * indexer.n_heads**-0.5
     dots = torch.einsum("bthd,bsd->bths", q.double(), k.double()) * indexer.softmax_scale
     score = torch.einsum("bth,bths->bts", w, dots.relu()).masked_fill(~mask, float("-inf"))
     bound = torch.einsum("bth,bths->bts", w.abs(), dots.abs()).amax(-1)
-    assert _problems(ours.cpu(), score.cpu(), mask.cpu(), bound.cpu(), topk=16) == []
+    for got in (ours, on_positions):
+        assert _problems(got.cpu(), score.cpu(), mask.cpu(), bound.cpu(), topk=16) == []

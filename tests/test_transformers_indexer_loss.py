@@ -29,6 +29,7 @@ from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 
 from mla_inductor.integrations import transformers as hf
 from mla_inductor.integrations import transformers_indexer_loss as loss_mod
+from mla_inductor.integrations.transformers_indexer import Visibility
 
 from conftest import rel_l2
 from test_transformers import TINY, _ids, _layer_kwargs
@@ -88,8 +89,13 @@ def _reference_loss(name: str, call: dict) -> tuple[torch.Tensor, nn.Module]:
     a = copy.deepcopy(call["attn"]).double()
     x = call["hidden_states"].detach().double()
     cos, sin = (p.double() for p in call["position_embeddings"])
-    mask, topk = call["attention_mask"][:, 0], call["topk"].long()
+    mask, topk = call["attention_mask"], call["topk"].long()
     B, T, _ = x.shape
+    if isinstance(mask, Visibility):  # what the switched model builds: positions, key padding
+        keys = torch.ones(B, T, dtype=torch.bool) if mask.keys is None else mask.keys
+        mask = (torch.arange(T) <= mask.positions[..., None]) & keys[:, None, :]
+    else:
+        mask = mask[:, 0]
     H, nope, rot, v = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
     with torch.no_grad():
         q_resid = a.q_a_layernorm(a.q_a_proj(x))
@@ -101,7 +107,8 @@ def _reference_loss(name: str, call: dict) -> tuple[torch.Tensor, nn.Module]:
                   + torch.einsum("bthr,bsr->bhts", q_rope, k_rope[:, :, 0])) * a.scaling
         # the selected set: the top-k keys the mask lets the token see
         seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
-        selected = torch.zeros(B, T, T, dtype=torch.bool).scatter(-1, topk, True)
+        selected = torch.zeros(B, T, T + 1, dtype=torch.bool)  # column T: the -1 slots
+        selected = selected.scatter(-1, torch.where(topk >= 0, topk, T), True)[..., :T]
         selected &= seen.expand(B, T, T)
         probs = scores.masked_fill(~selected[:, None], -math.inf).softmax(-1).nan_to_num()
         target = probs.sum(1)
@@ -129,14 +136,19 @@ def _reference(name: str, calls: list[dict]) -> tuple[torch.Tensor, list]:
     return loss, [(ours, r[1]) for r, ours in found]
 
 
-@pytest.mark.parametrize("implementation", ["eager", "sdpa"], ids=["float_mask", "bool_mask"])
+@pytest.mark.parametrize("implementation", [None, "eager", "sdpa"],
+                         ids=["positions", "float_mask", "bool_mask"])
 @pytest.mark.parametrize("name", MODELS)
 def test_loss_and_its_gradient_match_the_float64_definition(name, implementation, monkeypatch):
     """Batch 2, row 1 left-padded (its first 10 query rows see no key and count for nothing); the
     indexer loss and every indexer parameter's gradient from it against float64. Its gradient
-    reaches nothing else; GLM's shared layer records no loss of its own."""
-    model = _model(name, attn_implementation=implementation)
+    reaches nothing else; GLM's shared layer records no loss of its own. The switched model on
+    the positions and key padding it makes the model build, or (the attention implementation
+    set again after apply) on the model's dense float or bool mask."""
+    model = _model(name)
     assert hf.apply(model, indexer_loss=True) == 2
+    if implementation is not None:
+        model.set_attn_implementation(implementation)
     calls = _record_calls(model, monkeypatch)
     ids, mask = _batch()
     model(ids, attention_mask=mask, use_cache=False)

@@ -15,10 +15,14 @@ absorbed into the query, W^UV into the output; DSA on MLA's MQA mode, DeepSeek-V
 
 ``W_uk`` / ``W_uv`` are views of ``kv_b_proj.weight`` taken at every call: no copies, so training
 updates the model's own parameters. The RoPE and every projection are the layer's own modules and
-functions. The indexer's top-k comes from its own parameters and functions too, computed in query
-chunks by :func:`~mla_inductor.integrations.transformers_indexer.indexer_topk` (the same
-definition in float32, not bitwise: at near-ties it may keep the other key; float32 scores of at
-most 256 MiB at once instead of ``[B, T, index_n_heads, S]``). ``apply(model, indexer_loss=True)``
+functions. The indexer's top-k comes from its own parameters and functions too, computed on
+:func:`mla_inductor.lightning_indexer` by
+:func:`~mla_inductor.integrations.transformers_indexer.indexer_topk` (the same definition in
+float32, not bitwise: at near-ties it may keep the other key, exact ties go to the smaller key
+index; bounded chunks instead of ``[B, T, index_n_heads, S]``). The model builds no dense mask:
+:func:`apply` sets the attention implementation :data:`ATTN_IMPLEMENTATION`, under which
+transformers' mask creation returns each token's position and the 2D padding mask
+(:func:`_visibility`; a dense mask only for packed sequences). ``apply(model, indexer_loss=True)``
 also trains the indexers with DeepSeek-V3.2's KL loss, which :func:`indexer_loss` returns
 (:mod:`~mla_inductor.integrations.transformers_indexer_loss`).
 """
@@ -34,9 +38,12 @@ from torch import Tensor, nn
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as _dsv32
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as _glm
 
+from transformers import masking_utils as _masking
+from transformers.modeling_utils import AttentionInterface
+
 from ..api import sparse_mla
 from . import transformers_indexer_loss as _loss
-from .transformers_indexer import indexer_topk
+from .transformers_indexer import Visibility, indexer_topk
 
 # The attention classes switched, each with its model's RoPE for the attention (interleaved pairs),
 # the RoPE its indexer applies (DeepSeek-V3.2: half-split; GLM-5: interleaved pairs) and whether
@@ -50,21 +57,46 @@ _LAYERS = {
 }
 
 
-def _hide_masked(indices: Tensor, attention_mask: Tensor) -> Tensor:
-    """``indices [B, T, topk]`` with every slot whose key the model's own mask hides set to -1,
-    the op's empty slot. ``attention_mask [B or 1, 1, T, S]`` as transformers builds it: bool
-    (True = seen) or additive float (0 = seen, the dtype's minimum or -inf = hidden; other
-    additive values are not applied, these models have none).
+# The attention implementation :func:`apply` sets on the model's config: the model then builds,
+# instead of its dense [B, 1, T, S] mask, what the switched layers read (:func:`_visibility`).
+ATTN_IMPLEMENTATION = "mla_inductor_dsa"
+# The attribute of a switched layer holding its config's attention implementation before apply.
+_PREVIOUS = "_mla_inductor_attn_implementation"
 
-    The mask carries the future positions (the indexer's top-k names them when fewer than topk
-    keys are visible), padding, the other sequences of a packed batch and a static cache's
-    unfilled rows. The op's causal argument (once it has one) covers only the first of these,
-    so the mask is read here in either case.
-    """
-    B, T, _ = indices.shape
-    mask = attention_mask[:, 0].expand(B, T, -1).gather(-1, indices.long())
-    seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
-    return torch.where(seen, indices, -1)
+
+def _visibility(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                mask_function=_masking.causal_mask_function, attention_mask=None, device="cpu",
+                **_):
+    """The model's mask under :data:`ATTN_IMPLEMENTATION` (transformers' mask interface: the
+    arguments of its ``sdpa_mask``). A plain causal mask becomes a :class:`Visibility`: each
+    token's cache position (``q_offset + t - kv_offset``: a static cache's unfilled rows lie past
+    it) and, where the model has a 2D padding mask, that mask over the ``kv_length`` keys (rows
+    past it hidden): O(B·S + T). Anything else (packed sequences, an overlay) is
+    not a causal rule over positions: the dense bool mask ``[B, 1, T, S]`` of ``sdpa_mask``."""
+    if mask_function is not _masking.causal_mask_function:
+        return _masking.sdpa_mask(
+            batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+            kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+            allow_is_causal_skip=False, device=device,
+        )
+    positions = torch.arange(q_length, device=device) + (q_offset - kv_offset)
+    keys = None
+    if attention_mask is not None:
+        padded = _masking.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        keys = padded[:, kv_offset:kv_offset + kv_length].to(torch.bool)
+    return Visibility(positions, keys)
+
+
+def _not_an_attention_function(module, *args, **kwargs):
+    raise RuntimeError(
+        f"mla_inductor: {type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) was "
+        f"called on the attention implementation {ATTN_IMPLEMENTATION!r} without being switched; "
+        "call mla_inductor.integrations.transformers.apply(model) on the model that holds it"
+    )
+
+
+_masking.AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _visibility)
+AttentionInterface.register(ATTN_IMPLEMENTATION, _not_an_attention_function)
 
 
 def _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddings, attention_mask,
@@ -73,8 +105,9 @@ def _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddin
     output ``[B, T, hidden_size]`` and the indexer's top-k ``[B, T, topk]`` int32."""
     if attention_mask is None:
         raise RuntimeError(
-            "mla_inductor: the switched DSA attention needs the model's 4D attention mask "
-            "[B, 1, T, S]; call the layer as the model does (the model always builds one)"
+            "mla_inductor: the switched DSA attention needs the model's attention mask (its "
+            "4D mask [B, 1, T, S], or what the model builds under apply()); call the layer as "
+            "the model does (the model always builds one)"
         )
     if attn.training and attn.attention_dropout:
         raise RuntimeError(
@@ -99,8 +132,10 @@ def _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddin
     kv = torch.cat((latent, k_rope), -1)[:, 0]  # [B, S, rank + rope_dim]
 
     if attn.indexer is not None:
+        visibility = (attention_mask if isinstance(attention_mask, Visibility)
+                      else attention_mask[:, 0])
         topk = indexer_topk(attn.indexer, index_rope, hidden_states, q_resid, position_embeddings,
-                            attention_mask[:, 0], cache)
+                            visibility, cache)
     elif prev_topk_indices is None:
         raise RuntimeError(
             f"mla_inductor: layer {attn.layer_idx} reuses the previous layer's top-k (a 'shared' "
@@ -112,7 +147,7 @@ def _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddin
 
     w = attn.kv_b_proj.weight.view(H, nope + v_dim, rank)
     q = torch.cat((torch.einsum("bthn,hnr->bthr", q_nope, w[:, :nope]), q_rope), -1)
-    indices = _hide_masked(topk, attention_mask)
+    indices = topk  # the keys the mask hides are never named (-1 where a row sees fewer)
     if _loss.active(attn):
         o_lat, lse = sparse_mla(q, kv, indices, sm_scale=attn.scaling, d_v=rank, return_lse=True)
         _loss.record(attn, index_rope, hidden_states, q_resid, position_embeddings, q, kv,
@@ -174,6 +209,25 @@ def _apply(model: nn.Module) -> list[nn.Module]:
     return switched
 
 
+def _use_visibility(layers) -> None:
+    """Sets :data:`ATTN_IMPLEMENTATION` on the configs of ``layers``, keeping the one before in
+    the first layer of each config (for :func:`_drop_visibility`)."""
+    for attn in layers:
+        if attn.config._attn_implementation != ATTN_IMPLEMENTATION:
+            attn.__dict__[_PREVIOUS] = attn.config._attn_implementation
+            attn.config._attn_implementation = ATTN_IMPLEMENTATION
+
+
+def _drop_visibility(layers) -> None:
+    """Puts back the attention implementation that :func:`_use_visibility` replaced, unless it
+    was changed since (e.g. ``model.set_attn_implementation("sdpa")``)."""
+    for attn in layers:
+        if _PREVIOUS in attn.__dict__:
+            previous = attn.__dict__.pop(_PREVIOUS)
+            if attn.config._attn_implementation == ATTN_IMPLEMENTATION:
+                attn.config._attn_implementation = previous
+
+
 def apply(model: nn.Module, *, indexer_loss: bool = False) -> int:
     """Switches every ``DeepseekV32Attention`` and ``GlmMoeDsaAttention`` of ``model`` (any module
     tree containing them, e.g. a ``*ForCausalLM``) to the absorbed form on :func:`sparse_mla`.
@@ -188,15 +242,25 @@ def apply(model: nn.Module, *, indexer_loss: bool = False) -> int:
     bf16 runs on the op's kernels where they cover ``(d_qk, d_v) = (kv_lora_rank +
     qk_rope_head_dim, kv_lora_rank)``: (576, 512) for both released models (other shapes fall back
     to the reference with a warning). The layer returns no attention weights (``None``). Each
-    layer's indexer top-k is computed from the indexer's own parameters and functions in query
-    chunks (:func:`~mla_inductor.integrations.transformers_indexer.indexer_topk`): transformers'
-    definition in float32 (one GEMM per chunk, keys past the chunk's last visible one skipped; not
-    bitwise: at a near-tie or an exact tie it may keep another key than transformers' indexer), with
-    float32 scores of at most ``SCORE_BYTES`` (256 MiB) at once instead of ``[B, T, index_n_heads,
-    S]``; its time is still O(T·S·index_n_heads·index_head_dim) (about half of it under a causal
-    mask), its memory O(T·index_topk) for the indices plus the chunk. The model's 4D mask ``[B, 1,
-    T, S]`` is still built by the model (bool: 1 byte per entry, 256 MiB at T = S = 16384) and read
-    by gathers; the attention reads only the top-k rows.
+    layer's indexer top-k is computed from the indexer's own parameters and functions on
+    :func:`mla_inductor.lightning_indexer`
+    (:func:`~mla_inductor.integrations.transformers_indexer.indexer_topk`): transformers'
+    definition in float32 (not bitwise: at a near-tie or an exact tie it may keep another key than
+    transformers' indexer; exact ties go to the smaller key index), the causal rule from each
+    token's cache position, without a host synchronisation; time O(T·S·index_n_heads·
+    index_head_dim) (the sm90 kernel skips causal key blocks past a chunk's last token, the
+    reference scores every key), memory O(T·index_topk) plus the op's bounded chunks.
+
+    The model's dense mask ``[B, 1, T, S]`` (1 byte per entry, 256 MiB at T = S = 16384) is not
+    built: ``apply`` sets the config's attention implementation to :data:`ATTN_IMPLEMENTATION`
+    (``remove`` puts the previous one back), whose mask function returns each token's position
+    and the model's 2D padding mask over the keys (O(B·S + T)). With padding, the keys the mask
+    hides are moved out of the op's reach by a stable partition of each batch element's indexer
+    keys (one gather of ``[B, S, index_head_dim]`` per layer and call; the same selection as with
+    the mask). Packed sequences (position_ids that restart, no mask, no cache) get
+    transformers' dense bool mask and the op's reference arithmetic on it, as does a model whose
+    attention implementation is set to another one after ``apply`` (sdpa, eager). The attention
+    reads only the top-k rows.
 
     ``indexer_loss=True`` also trains the indexers (off by default; off, the forward is exactly the
     one without the option): each forward of a layer with its own indexer, in training mode with
@@ -214,14 +278,15 @@ def apply(model: nn.Module, *, indexer_loss: bool = False) -> int:
         ValueError: ``model`` has no such layer.
         RuntimeError: a layer's ``forward`` is already replaced on the instance (accelerate's
             hooks), which switching would drop. At call time: ``attention_dropout > 0`` while
-            training, a missing attention mask, a shared-top-k layer called without
+            training, a missing attention mask (``None``), a shared-top-k layer called without
             ``prev_topk_indices``, :func:`sparse_mla`'s own checks, and with ``indexer_loss``
             a training forward with grad over a cache that held earlier tokens.
     """
     switched = len(_apply(model))
-    for _, attn in _dsa_layers(model):
-        if _is_switched(attn):
-            _loss.enable(attn, indexer_loss)
+    layers = [attn for _, attn in _dsa_layers(model) if _is_switched(attn)]
+    for attn in layers:
+        _loss.enable(attn, indexer_loss)
+    _use_visibility(layers)
     return switched
 
 
@@ -259,6 +324,7 @@ def indexer_loss(model: nn.Module) -> Tensor:
 
 
 def _remove(layers) -> None:
+    _drop_visibility(layers)
     for attn in layers:
         if _is_switched(attn):
             del attn.forward
@@ -287,6 +353,7 @@ def switched(model: nn.Module) -> Iterator[int]:
     switched) and switches exactly those layers back on exit, also on an exception. Raises as
     :func:`apply`. The layers it switches have no indexer loss (:func:`apply` has the option)."""
     layers = _apply(model)
+    _use_visibility(layers)
     try:
         yield len(layers)
     finally:

@@ -1,59 +1,68 @@
-"""transformers' DSA indexer (DeepSeek-V3.2, GLM-5) computed in query chunks.
+"""transformers' DSA indexer (DeepSeek-V3.2, GLM-5) on :func:`mla_inductor.lightning_indexer`.
 
 transformers 5.24's ``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer`` score every query against every
 key at once: float32 ``[B, T, index_n_heads, S]`` (64 GiB at T = S = 16384 with 64 heads), and
 its broadcast ``matmul`` also copies the float32 keys once per query token (``[B·T, head_dim,
-S]``, 128 GiB there). :func:`indexer_topk` computes the same top-k from the same module's
-parameters and functions, one chunk of query tokens at a time, so that the float32 scores alive
-at once are ``[chunk, index_n_heads, S]``, at most :data:`SCORE_BYTES`.
+S]``, 128 GiB there). :func:`indexer_topk` computes the top-k from the same module's parameters
+and functions (its queries, keys, RoPE and head weights) with the op, which scores in bounded
+chunks (the reference backend) or on the GPU kernels.
 
 Per query token ``t`` and key ``s`` (the indexer's own definition):
-``score[t, s] = sum_h w[t, h] · relu(softmax_scale · q[t, h] · k[s])`` with
-``w = weights_proj(x) · n_heads**-0.5``, then the model's mask, then the ``min(index_topk, S)``
-largest. Each chunk computes it as ``softmax_scale · sum_h w[t, h] · relu(q[t, h] · k[s])`` (equal
-in exact arithmetic, as ``relu(a·x) = a·relu(x)`` for ``a > 0``; the scale goes into the ``[c, H]``
-weights): one float32 GEMM of the chunk's ``[c·H, D]`` queries by the keys ``[D, s_hi]``, ``relu``
-in place, and a batched ``[1, H] x [H, s_hi]`` product for the weighted head sum (four passes over
-the ``[c, H, s_hi]`` scores: the GEMM's write, relu's read and write, the sum's read).
+``score[t, s] = sum_h w[t, h] · relu(softmax_scale · q[t, h] · k[s])`` with ``w =
+weights_proj(x) · n_heads**-0.5``, then the model's mask, then the ``min(index_topk, S)`` largest.
+The op computes it as ``sum_h (softmax_scale · w[t, h]) · relu(q[t, h] · k[s])`` (equal in exact
+arithmetic, as ``relu(a·x) = a·relu(x)`` for ``a > 0``): the scale is folded into the head
+weights (:func:`head_weights`).
 
-Key truncation: ``s_hi`` is one past the last key that any row of the chunk sees (from the mask:
-bool True, or additive above the dtype's minimum), so with a causal mask a chunk scores only the
-keys up to its last token (about half the work of ``[T, S]`` at T = S, given several chunks: at
-the default budget, T = S = 16384 with 64 heads makes 256 chunks of 64 tokens). A row that sees
-fewer keys than ``index_topk`` gets its visible keys first (by score), then keys the mask hides
-from it: hidden keys below ``s_hi`` (masked to -inf, or to about the dtype's minimum by an
-additive mask), then ``s_hi, s_hi + 1, ...``, which no row of the chunk sees. transformers'
-indexer names other hidden keys there (its choice among equal masked scores); the switched
-attention empties every slot the mask hides, so the attention is the same. Under
-``torch.compile`` the chunks score every key (``s_hi`` would be a data-dependent size).
+Which keys a token sees (:class:`Visibility`, or a dense mask):
 
-Not bitwise transformers': a different GEMM (one per chunk instead of one per token) and the scale
-applied after the head sum change the scores' last bits, and so, where two keys' scores are
-within a few float32 ulps (a near-tie), which of them is kept; where scores are exactly equal
-(keys at which every head's relu is 0 score exactly 0), topk's choice among them depends on the
-width scored, so it can differ from transformers' and between chunk sizes. The selected keys'
-scores agree with a float64 computation of the same definition to float32 rounding
-(``tests/test_transformers_indexer.py``). On a GPU with a bfloat16 or float16 layer the score
-GEMM multiplies the layer's own q and k into float32 (tensor cores: the same exact products,
-float32 accumulation; :func:`_on_tensor_cores`); otherwise it is a float32 GEMM of the upcast
-operands, which PyTorch's ``torch.backends.cuda.matmul.allow_tf32 = True`` makes TF32 on a GPU,
-as it does transformers' ``matmul``.
+- positions and key padding (what :mod:`.transformers` makes the model build instead of its
+  ``[B, 1, T, S]`` mask): the op's causal rule from each token's position, and, where the model
+  has a 2D padding mask, the keys it hides moved out of reach: per batch element the seen keys
+  are gathered to the front in their order (a stable partition, O(B·S·head_dim)) and each
+  position becomes the count of seen keys up to it, minus 1, so that the op's causal rule over
+  the gathered keys is exactly the padding mask and the causal rule over the keys, its
+  tie-breaking (smaller key index) included; the indices are mapped back;
+- a dense mask ``[B or 1, T, S]`` (the model's own, with packed sequences or an attention
+  implementation other than the one :mod:`.transformers` sets): the op's reference arithmetic
+  and selection with that visibility, on any device
+  (:func:`mla_inductor.kernels.reference_lightning.lightning_indexer_seen`).
+
+Either way a row's selected keys come in ascending key index, then -1 where it sees fewer than
+``min(index_topk, S)`` (transformers' indexer names hidden keys there, which its attention then
+masks: the attention is the same). Not bitwise transformers': other GEMMs and the scale applied
+to the head weights change the scores' last bits, so at a near-tie (scores within a few float32
+ulps) the other key may be kept; exact ties (keys at which every head's relu is 0 score exactly
+0) go to the smaller key index, where ``torch.topk``'s choice depends on the width scored. The
+selected keys' scores agree with a float64 computation of the same definition to float32
+rounding (``tests/test_transformers_indexer.py``).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor, nn
 
-# The largest float32 score tensor one chunk may hold: 256 MiB.
-SCORE_BYTES = 2**28
+from ..api import lightning_indexer
+from ..kernels.reference_lightning import lightning_indexer_seen
+
+
+class Visibility(NamedTuple):
+    """Which keys each query token sees, without a ``[T, S]`` tensor: key ``s`` is seen by token
+    ``t`` of batch element ``b`` when ``s <= positions[t]`` (``positions [T]`` or ``[B, T]``,
+    integer, in key coordinates: the token's cache position) and, where ``keys`` is given
+    (``[B, S]`` bool, the model's 2D padding mask over the keys), ``keys[b, s]``."""
+
+    positions: Tensor
+    keys: Optional[Tensor]
 
 
 def chunk_tokens(n_heads: int, S: int, score_bytes: int) -> int:
-    """Query tokens per chunk: as many as keep ``[chunk, n_heads, S]`` float32 (4 bytes each)
-    within ``score_bytes``; at least 1."""
+    """Query tokens per chunk (of the indexer loss's logits,
+    :mod:`.transformers_indexer_loss`): as many as keep ``[chunk, n_heads, S]`` float32 (4 bytes
+    each) within ``score_bytes``; at least 1."""
     return max(1, score_bytes // (n_heads * S * 4))
 
 
@@ -93,31 +102,29 @@ def head_weights(indexer: nn.Module, hidden_states: Tensor) -> Tensor:
     return proj(hidden_states.to(proj.weight.dtype)).float() * scale
 
 
-def _seen_widths(mask: Tensor, chunk: int) -> list[list[int]]:
-    """``widths[b][i]``: one past the last key column that any row of chunk ``i`` (rows ``i·chunk``
-    to ``(i + 1)·chunk``) of ``mask[b]`` sees, 0 where none does. ``mask [Bm, T, S]``, bool (True
-    = seen) or additive float (seen where above the dtype's minimum; -inf and the minimum are
-    hidden). One pass over the mask, temporaries ``[Bm, chunks, S]``, one synchronisation."""
-    Bm, T, S = mask.shape
-    full = T // chunk * chunk
-    reduce = torch.any if mask.dtype == torch.bool else torch.amax
-    parts = [reduce(mask[:, :full].unflatten(1, (T // chunk, chunk)), 2)] if full else []
-    if full < T:
-        parts.append(reduce(mask[:, full:], 1, keepdim=True))
-    cols = torch.cat(parts, 1)  # [Bm, chunks, S]
-    if mask.dtype != torch.bool:
-        cols = cols > torch.finfo(mask.dtype).min
-    ends = torch.arange(1, S + 1, dtype=torch.int32, device=mask.device)
-    return torch.where(cols, ends, 0).amax(-1).tolist()
+def _gather_seen(k: Tensor, keys: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The seen keys of each batch element first (module docstring): ``k [B, S, D]``, ``keys
+    [B, S]`` bool, ``positions [T]`` or ``[B, T]`` -> ``(gathered k [B, S, D], positions [B, T]
+    among them, order [B, S] int64: the key index of each gathered row)``."""
+    B, S, D = k.shape
+    before = keys.cumsum(-1)  # seen keys up to and including s
+    column = torch.arange(S, device=k.device)
+    slot = torch.where(keys, before - 1, before[:, -1:] + column - before)  # a permutation
+    order = torch.empty((B, S), dtype=torch.int64, device=k.device)
+    order.scatter_(1, slot, column.expand(B, S))
+    pos = positions.long().expand(B, positions.shape[-1])
+    count = before.gather(1, pos.clamp(0, S - 1))
+    return k.gather(1, order[..., None].expand(B, S, D)), torch.where(pos < 0, 0, count) - 1, order
 
 
 @torch.no_grad()
 def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tensor,
-                 position_embeddings: tuple[Tensor, Tensor], attention_mask: Tensor,
-                 cache=None, *, score_bytes: int | None = None) -> Tensor:
+                 position_embeddings: tuple[Tensor, Tensor], visibility: Visibility | Tensor,
+                 cache=None) -> Tensor:
     """The top-k keys of each query token, as ``indexer(hidden_states, q_resid,
-    position_embeddings, attention_mask, position_ids, cache=cache)`` selects them, in query chunks
-    (module docstring: the same definition, float32, not bitwise; hidden keys as filler).
+    position_embeddings, attention_mask, position_ids, cache=cache)`` selects them, on
+    :func:`mla_inductor.lightning_indexer` (module docstring: the same definition, float32, not
+    bitwise; -1 instead of hidden keys).
 
     Args:
         indexer: the layer's ``DeepseekV32Indexer`` or ``GlmMoeDsaIndexer``; its ``wq_b``, ``wk``,
@@ -129,78 +136,32 @@ def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_re
         hidden_states: ``[B, T, hidden_size]``, the layer's input.
         q_resid: ``[B, T, q_lora_rank]``, ``q_a_layernorm(q_a_proj(hidden_states))``.
         position_embeddings: ``(cos, sin)``, each ``[B, T, qk_rope_head_dim]``.
-        attention_mask: ``[B or 1, T, S]``, bool (True = seen) or additive float (the dtype's
-            minimum or -inf = hidden), the model's 4D mask without its head axis.
+        visibility: a :class:`Visibility` over the ``S`` keys, or a dense mask ``[B or 1, T,
+            S]``, bool (True = seen) or additive float (the dtype's minimum or -inf = hidden),
+            the model's 4D mask without its head axis.
         cache: the model's cache or None; with one, this call's indexer keys are appended
             through ``cache.update_indexer`` (exactly once, as the model's indexer does) and the
             scores cover every cached key.
-        score_bytes: the budget of one chunk's float32 scores (:func:`chunk_tokens`); None:
-            :data:`SCORE_BYTES`, read at each call.
 
     Returns:
-        ``[B, T, min(index_topk, S)]`` int32, key positions in ``[0, S)``, distinct within a row:
-        the keys the row sees in descending score order, then (where it sees fewer than
-        ``index_topk``) keys its mask hides.
+        ``[B, T, min(index_topk, S)]`` int32: per row the selected keys (in ``[0, S)``) in
+        ascending key index, then -1 where the row sees fewer keys.
     """
-    B, T, _ = hidden_states.shape
-    H = indexer.n_heads
     q = index_queries(indexer, rope, q_resid, position_embeddings)
     k = index_keys(indexer, rope, hidden_states, position_embeddings)
     if cache is not None:
         k = cache.update_indexer(k, indexer.layer_idx)  # [B, S, D]
-    S = k.shape[1]
     w = head_weights(indexer, hidden_states)
-    topk = min(indexer.index_topk, S)
-    out = torch.empty(B, T, topk, dtype=torch.int32, device=hidden_states.device)
-    chunk = chunk_tokens(H, S, SCORE_BYTES if score_bytes is None else score_bytes)
-    mask = attention_mask.expand(attention_mask.shape[0], T, S)  # [B or 1, T, S]
-    starts = range(0, T, chunk)
-    if torch.compiler.is_compiling():
-        widths = [[S] * len(starts)]
-    else:
-        widths = _seen_widths(mask, chunk)
-    for b in range(B):
-        keys = k[b] if _on_tensor_cores(k) else k[b].float()  # [S, D]
-        seen, row_widths = mask[min(b, mask.shape[0] - 1)], widths[min(b, len(widths) - 1)]
-        for t0, width in zip(starts, row_widths):
-            t1 = min(t0 + chunk, T)
-            out[b, t0:t1] = _chunk_topk(q[b, t0:t1], keys[:width], w[b, t0:t1],
-                                        seen[t0:t1, :width], topk)
-    return out
-
-
-def _on_tensor_cores(k: Tensor) -> bool:
-    """Whether the score GEMMs take the layer's bfloat16 / float16 queries and keys as they are,
-    with float32 output (CUDA only: ``torch.mm(..., out_dtype=torch.float32)``). Their products
-    are exact in float32 either way (8- or 11-bit significands), so only the float32 accumulation
-    differs from the float32 GEMM of the upcast operands. On the H200 (T = S = 16384, 64 index
-    heads of 128, bf16, causal): the whole indexer 70 ms against 121 ms, and both keep the keys
-    of the per-token float32 path in 99.99% of the rows."""
-    return k.is_cuda and k.dtype in (torch.bfloat16, torch.float16)
-
-
-def _chunk_topk(q: Tensor, keys: Tensor, w: Tensor, seen: Tensor, topk: int) -> Tensor:
-    """One chunk of ``c`` query tokens: ``q [c, H, D]`` (the layer's dtype), ``keys [W, D]``
-    (the first ``W`` keys: every key a row of the chunk sees is among them), in q's dtype where
-    :func:`_on_tensor_cores`, else float32, ``w [c, H]`` float32 (scale included), ``seen [c,
-    W]`` bool or additive; returns ``[c, topk]`` int32: the top ``min(topk, W)`` of the ``W``
-    keys, then keys ``W, W + 1, ...``. Its float32 scores ``[c, H, W]`` are freed on return,
-    before the next chunk's are made."""
-    c, H, D = q.shape
-    W = keys.shape[0]
-    if keys.dtype == torch.float32:
-        scores = torch.mm(q.reshape(c * H, D).float(), keys.T)
-    else:
-        scores = torch.mm(q.reshape(c * H, D), keys.T, out_dtype=torch.float32)
-    scores = scores.relu_().view(c, H, W)
-    summed = torch.bmm(w.unsqueeze(1), scores).squeeze(1)  # [c, W]
-    del scores
-    if seen.dtype == torch.bool:
-        summed.masked_fill_(~seen, float("-inf"))
-    else:
-        summed.add_(seen)
-    picked = summed.topk(min(topk, W), dim=-1).indices.to(torch.int32)
-    if W >= topk:
-        return picked
-    rest = torch.arange(W, topk, dtype=torch.int32, device=q.device).expand(c, topk - W)
-    return torch.cat((picked, rest), 1)
+    topk = min(indexer.index_topk, k.shape[1])
+    if not isinstance(visibility, Visibility):
+        seen = visibility if visibility.dtype == torch.bool else (
+            visibility > torch.finfo(visibility.dtype).min)
+        return lightning_indexer_seen(q, k, w, seen, topk)[0]
+    if visibility.keys is None:
+        return lightning_indexer(q, k, w, topk, causal=True, q_positions=visibility.positions)
+    gathered, positions, order = _gather_seen(k, visibility.keys.to(torch.bool),
+                                              visibility.positions)
+    picked = lightning_indexer(q, gathered, w, topk, causal=True, q_positions=positions)
+    B, T, _ = picked.shape
+    back = order.gather(1, picked.clamp(min=0).view(B, T * topk).long()).view(B, T, topk)
+    return torch.where(picked >= 0, back, -1).to(torch.int32)

@@ -51,9 +51,24 @@ sm_scale, d_v) -> (dq, dkv, d_sink)``
     ``reference``, ``emulate`` and ``sm90`` have it; ``auto`` falls back to the reference (with
     the warning) on a CUDA backend without it, and a forced one does the same.
 
+``lightning_indexer(q, k, weights, q_positions, topk) -> (indices, scores)`` (optional)
+    The lightning indexer's top-k (:mod:`mla_inductor.lightning_indexer`): ``q [B, T, H, D]``
+    (bf16/fp16; fp32 on the reference path), ``k [B, S, D]`` of q's dtype, ``weights [B, T, H]``
+    float32, ``q_positions [B, T]`` int32 or ``None`` (causal: key ``s`` is seen by token ``t``
+    when ``s <= q_positions[b, t]``; None: every key seen), all contiguous, ``topk >= 0`` int.
+    ``score[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])`` with float32 accumulation;
+    per row the ``min(topk, n_seen)`` seen keys of largest score, exact ties to the smaller key
+    index (``-0.0`` equals ``+0.0``), a NaN score above +inf. Returns contiguous ``indices
+    [B, T, topk]`` int32, the selected keys in ascending key index and then -1, and ``scores
+    [B, T, topk]`` float32, each slot's score, 0 on -1 slots. No host synchronisation, no
+    ``[T, S]`` tensor beyond a bounded chunk. ``reference`` has it (``emulate`` runs the
+    reference's); ``auto`` on a CUDA backend without it (or whose ``supports()`` says no) falls
+    back to the reference with the warning.
+
 ``supports(dtype, direction, T, H, S, d_qk, d_v, features) -> tuple[bool, str]`` (optional)
-    Whether the backend handles this problem (``direction``: ``"forward"``, ``"backward"`` or
-    ``"indexer_target"``, whose ``d_v`` is 0: it reads no values;
+    Whether the backend handles this problem (``direction``: ``"forward"``, ``"backward"``,
+    ``"indexer_target"``, whose ``d_v`` is 0: it reads no values, or ``"lightning_indexer"``:
+    ``T``, ``H``, ``S`` per batch element, ``d_qk`` the index head width D, ``d_v`` 0;
     ``features``: a frozenset of ``"causal"``,
     ``"sink"``, ``"max_logits"``, ``"dlse"``); ``auto`` falls back to the reference when not,
     a forced backend raises the reason.

@@ -20,6 +20,9 @@ attention sink (one logit per head in the softmax denominator, no value:
 ``lse = log(exp(sink) + sum_j exp(s_j))``), ``max_logits`` (the maximum valid score, the sink
 not included) and a gradient reaching lse (``dS_j = P_j (dP_j - dpsum + dlse)``,
 ``d_sink = -sum_t P_sink (dpsum - dlse)``).
+
+The lightning indexer's reference (scores and an exact top-k selection, chunked) is
+:mod:`mla_inductor.kernels.reference_lightning`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import math
 from typing import Optional
 
 import torch
+
+from .reference_lightning import lightning_indexer  # noqa: F401  (the protocol function)
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 elements of gathered rows per chunk (16 MiB)
 

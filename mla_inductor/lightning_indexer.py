@@ -1,0 +1,118 @@
+"""The lightning indexer: the op ``torch.ops.mla_inductor.lightning_indexer``, its fake, and its
+entry op.
+
+DeepSeek-V3.2's lightning indexer (DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context
+Efficiency with DeepSeek Sparse Attention", 2025, section 2.1) picks the keys each query token
+attends to: ``score[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])`` over ``H`` index heads
+(float32 accumulation), and the ``topk`` keys of largest score among those the token sees
+(GLM-5 uses the same indexer).
+
+``lightning_indexer(q, k, weights, q_positions, topk) -> (indices, scores)`` in the canonical
+batched layout: ``q [B, T, H, D]`` bfloat16 / float16 (float32 on the reference backend), ``k
+[B, S, D]`` of q's dtype, ``weights [B, T, H]`` float32, ``q_positions [B, T]`` int32 or None
+(None: every key seen; else key ``s`` is seen by token ``t`` when ``s <= q_positions[b, t]``),
+``topk >= 0`` (a SymInt under compile); returns contiguous ``indices [B, T, topk]`` int32 and
+``scores [B, T, topk]`` float32. Per row: the ``min(topk, keys seen)`` seen keys of largest
+score, exact ties to the smaller key index, a NaN score above +inf (``-0.0`` ties ``+0.0``), in
+ascending key index, then -1 (an empty slot of :func:`mla_inductor.sparse_mla`); ``scores`` holds
+each slot's score, 0 on -1 slots. Not differentiable (integer indices; the scores are a
+by-product, not a gradient path).
+
+Its entry op ``lightning_indexer_entry(q, k, weights, q_positions, causal, topk)`` takes the
+layouts of :func:`mla_inductor.lightning_indexer` (flat ``q [T, H, D]``, ``k [S, D]`` or ``[S, 1,
+D]``, ``weights [T, H]``, or batched with a leading ``B``) and forms the canonical inputs: int64
+positions (``[T]`` shared by every batch element, or ``[B, T]``) clamped to ``[-1, S]`` and cast
+to int32, and with ``causal`` and no positions the bottom-right default ``S - T + t`` (the rule
+of :func:`mla_inductor.sparse_mla`). Dynamo keeps it as one node: its checks raise at trace
+time on FakeTensors and its layout code lands in the traced graph. No step reads tensor data on
+the host, so the op never synchronises and is CUDA-graph safe wherever the backend is.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import backends, lowering
+from .validation import check_lightning_inputs, check_lightning_layout
+
+_LAYOUT = (torch.Tag.needs_contiguous_strides,)
+
+
+def _outputs(q: Tensor, topk):
+    B, T = q.shape[0], q.shape[1]
+    return (q.new_empty((B, T, topk), dtype=torch.int32),
+            q.new_empty((B, T, topk), dtype=torch.float32))
+
+
+@torch.library.custom_op("mla_inductor::lightning_indexer", mutates_args=(), tags=_LAYOUT)
+def lightning_indexer(
+    q: Tensor,
+    k: Tensor,
+    weights: Tensor,
+    q_positions: Optional[Tensor],
+    topk: int,
+) -> tuple[Tensor, Tensor]:
+    """The lightning indexer's top-k on the backend :mod:`mla_inductor.backends` selects.
+
+    Canonical layout, dtypes and selection rules: the module docstring.
+
+    Raises:
+        RuntimeError: the checks of
+            :func:`mla_inductor.validation.check_lightning_inputs` (also from the fake kernel
+            at trace time), or a forced backend that cannot run here.
+    """
+    check_lightning_inputs(q, k, weights, q_positions, topk)
+    features = frozenset(("causal",)) if q_positions is not None else frozenset()
+    dims = (q.shape[1], q.shape[2], k.shape[1], q.shape[3], 0, features)
+    backend = backends.select(q.device, q.dtype, "lightning_indexer", dims)
+    return backend.lightning_indexer(
+        q.contiguous(), k.contiguous(), weights.contiguous(),
+        None if q_positions is None else q_positions.contiguous(), topk,
+    )
+
+
+@lightning_indexer.register_fake
+def _(q, k, weights, q_positions, topk):
+    check_lightning_inputs(q, k, weights, q_positions, topk)
+    lowering.install()
+    return _outputs(q, topk)
+
+
+_lib = torch.library.Library("mla_inductor", "FRAGMENT")
+_lib.define(
+    "lightning_indexer_entry(Tensor q, Tensor k, Tensor weights, Tensor? q_positions, "
+    "bool causal, SymInt topk) -> (Tensor, Tensor)"
+)
+
+
+def _positions(q_positions: Optional[Tensor], B, T, S, like: Tensor) -> Tensor:
+    """``[B, T]`` int32 positions: the given ones (``[T]`` or ``[B, T]``) clamped to ``[-1, S]``
+    (so that an int64 position cannot wrap in int32), else ``S - T + t``."""
+    if q_positions is None:
+        pos = torch.arange(T, device=like.device, dtype=torch.int64) + (S - T)
+    else:
+        pos = q_positions.to(torch.int64).clamp(-1, S)
+    return pos.expand(B, T).to(torch.int32)
+
+
+def _lightning_indexer_entry(q, k, weights, q_positions, causal, topk):
+    check_lightning_layout(q, k, weights, causal, q_positions)
+    q, k, weights = q.detach(), k.detach(), weights.detach()
+    batched = q.dim() == 4
+    if k.dim() == q.dim():  # [S, 1, D] / [B, S, 1, D]
+        k = k.squeeze(-2)
+    if not batched:
+        q, k, weights = q.unsqueeze(0), k.unsqueeze(0), weights.unsqueeze(0)
+    positions = None
+    if causal:
+        positions = _positions(q_positions, q.shape[0], q.shape[1], k.shape[1], q)
+    indices, scores = torch.ops.mla_inductor.lightning_indexer(q, k, weights, positions, topk)
+    if not batched:
+        indices, scores = indices[0], scores[0]
+    return indices, scores
+
+
+_lib.impl("lightning_indexer_entry", _lightning_indexer_entry, "CompositeImplicitAutograd")
