@@ -17,8 +17,8 @@ from conftest import rel_l2
 from mla_inductor.bench import cli, dist, dist_train, hf, timing
 
 
-@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["indexer"], ["hf"], ["dist"],
-                                  ["start"]])
+@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["indexer"], ["lightning"],
+                                  ["hf"], ["dist"], ["start"]])
 def test_help_at_every_level(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*argv, "--help"])
@@ -53,7 +53,8 @@ def test_indexer_parser_defaults_and_flags():
 def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
     run = [sys.executable, "-m", "mla_inductor.bench"]
     shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0 and "{fwd,bwd,train,indexer,hf,dist,start}" in shown.stdout
+    assert shown.returncode == 0
+    assert "{fwd,bwd,train,indexer,lightning,hf,dist,start}" in shown.stdout
     wrong = subprocess.run([*run, "fw"], capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "invalid choice: 'fw'" in wrong.stderr
 
@@ -65,7 +66,21 @@ def test_cli_exits_with_reason_without_sm90(what):
         cli.main([what, "--T", "128"])
     # the subcommands with a CPU smoke test say so
     assert ("--tiny runs a small smoke test on the CPU" in str(exited.value)) == (
-        what in ("hf", "dist", "start"))
+        what in ("hf", "dist", "start", "lightning"))
+
+
+def test_lightning_tiny_runs_the_op_and_agreement_counts_shared_keys(capsys):
+    """``lightning --tiny``: one row per T from the op on the CPU; ``agreement`` is the fraction
+    of the second selection's valid keys that the first holds (order and -1 slots ignored)."""
+    from mla_inductor.bench import lightning
+
+    cli.main(["lightning", "--tiny", "--T", "64", "96"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 |")
+            or line.startswith("| 96 |")]
+    assert len(rows) == 2 and all(float(r.split(" | ")[1]) > 0 for r in rows)
+    ours = torch.tensor([[0, 3, 5, -1], [1, 2, 4, 7]])
+    theirs = torch.tensor([[5, 3, 0, 2], [7, 6, -1, -1]])
+    assert lightning.agreement(ours, theirs) == pytest.approx((3 + 1) / (4 + 2))
 
 
 def test_start_tiny_times_three_fresh_processes(capsys):
