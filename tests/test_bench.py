@@ -142,6 +142,32 @@ def test_hf_reports_an_out_of_memory_and_goes_on(monkeypatch, capsys):
     assert float(rows[2][4][:-1]) == pytest.approx(sdpa / patched, abs=0.1)  # ms printed rounded
 
 
+def test_hf_breakdown_charges_each_op_to_its_category():
+    """``category`` walks a profiler event's stack: the indexer's and the attention's ops outrank
+    the GEMMs they launch; a plain GEMM is a projection, the rest is other. ``breakdown`` on the
+    CPU sums the ops' self times: an eager matmul step lands in projections, and busy + idle is
+    the wall time it was given."""
+    from types import SimpleNamespace as Event
+
+    def stack(*names):
+        event = None
+        for name in names:
+            event = Event(name=name, cpu_parent=event)
+        return event
+
+    assert hf.category(stack("mla_inductor::lightning_indexer", "aten::mm")) == "indexer"
+    assert hf.category(stack("mla_inductor::sparse_mla_bwd", "aten::mm")) == "attention"
+    assert hf.category(stack("autograd::engine::evaluate_function: MmBackward0",
+                             "aten::mm")) == "projections"
+    assert hf.category(stack("aten::add_")) == "other"
+    a = torch.randn(256, 256)
+    parts = hf.breakdown(lambda: a @ a @ a, torch.device("cpu"), wall_ms=1000.0)
+    assert parts["projections"] > 0 and parts["indexer"] == parts["attention"] == 0
+    assert parts["busy"] == pytest.approx(sum(parts[n] for n in
+                                              ("indexer", "attention", "projections", "other")))
+    assert parts["busy"] + parts["idle"] == pytest.approx(1000.0)
+
+
 def test_time_ms_calls_times_the_calls_after_the_warmup():
     made = []
     ms = timing.time_ms_calls(lambda: made.append(time.sleep(0.002)), 2, 3, torch.device("cpu"))
