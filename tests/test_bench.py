@@ -17,8 +17,8 @@ from conftest import rel_l2
 from mla_inductor.bench import cli, dist, dist_train, hf, timing
 
 
-@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["indexer"], ["hf"], ["dist"],
-                                  ["start"]])
+@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["indexer"], ["lightning"],
+                                  ["hf"], ["dist"], ["start"]])
 def test_help_at_every_level(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*argv, "--help"])
@@ -53,7 +53,8 @@ def test_indexer_parser_defaults_and_flags():
 def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
     run = [sys.executable, "-m", "mla_inductor.bench"]
     shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0 and "{fwd,bwd,train,indexer,hf,dist,start}" in shown.stdout
+    assert shown.returncode == 0
+    assert "{fwd,bwd,train,indexer,lightning,hf,dist,start}" in shown.stdout
     wrong = subprocess.run([*run, "fw"], capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "invalid choice: 'fw'" in wrong.stderr
 
@@ -65,7 +66,21 @@ def test_cli_exits_with_reason_without_sm90(what):
         cli.main([what, "--T", "128"])
     # the subcommands with a CPU smoke test say so
     assert ("--tiny runs a small smoke test on the CPU" in str(exited.value)) == (
-        what in ("hf", "dist", "start"))
+        what in ("hf", "dist", "start", "lightning"))
+
+
+def test_lightning_tiny_runs_the_op_and_agreement_counts_shared_keys(capsys):
+    """``lightning --tiny``: one row per T from the op on the CPU; ``agreement`` is the fraction
+    of the second selection's valid keys that the first holds (order and -1 slots ignored)."""
+    from mla_inductor.bench import lightning
+
+    cli.main(["lightning", "--tiny", "--T", "64", "96"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 64 |")
+            or line.startswith("| 96 |")]
+    assert len(rows) == 2 and all(float(r.split(" | ")[1]) > 0 for r in rows)
+    ours = torch.tensor([[0, 3, 5, -1], [1, 2, 4, 7]])
+    theirs = torch.tensor([[5, 3, 0, 2], [7, 6, -1, -1]])
+    assert lightning.agreement(ours, theirs) == pytest.approx((3 + 1) / (4 + 2))
 
 
 def test_start_tiny_times_three_fresh_processes(capsys):
@@ -125,6 +140,32 @@ def test_hf_reports_an_out_of_memory_and_goes_on(monkeypatch, capsys):
     sdpa, patched = float(rows[1][2]), float(rows[2][2])
     assert rows[2][4].endswith("x")
     assert float(rows[2][4][:-1]) == pytest.approx(sdpa / patched, abs=0.1)  # ms printed rounded
+
+
+def test_hf_breakdown_charges_each_op_to_its_category():
+    """``category`` walks a profiler event's stack: the indexer's and the attention's ops outrank
+    the GEMMs they launch; a plain GEMM is a projection, the rest is other. ``breakdown`` on the
+    CPU sums the ops' self times: an eager matmul step lands in projections, and busy + idle is
+    the wall time it was given."""
+    from types import SimpleNamespace as Event
+
+    def stack(*names):
+        event = None
+        for name in names:
+            event = Event(name=name, cpu_parent=event)
+        return event
+
+    assert hf.category(stack("mla_inductor::lightning_indexer", "aten::mm")) == "indexer"
+    assert hf.category(stack("mla_inductor::sparse_mla_bwd", "aten::mm")) == "attention"
+    assert hf.category(stack("autograd::engine::evaluate_function: MmBackward0",
+                             "aten::mm")) == "projections"
+    assert hf.category(stack("aten::add_")) == "other"
+    a = torch.randn(256, 256)
+    parts = hf.breakdown(lambda: a @ a @ a, torch.device("cpu"), wall_ms=1000.0)
+    assert parts["projections"] > 0 and parts["indexer"] == parts["attention"] == 0
+    assert parts["busy"] == pytest.approx(sum(parts[n] for n in
+                                              ("indexer", "attention", "projections", "other")))
+    assert parts["busy"] + parts["idle"] == pytest.approx(1000.0)
 
 
 def test_time_ms_calls_times_the_calls_after_the_warmup():

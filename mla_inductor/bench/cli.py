@@ -1,16 +1,16 @@
-"""The command ``python -m mla_inductor.bench {fwd,bwd,train,indexer,hf,dist,start} [flags]``: one
-argument parser with a subcommand per benchmark module (:data:`SUBCOMMANDS`); ``--help`` works at
-every level."""
+"""The command ``python -m mla_inductor.bench {fwd,bwd,train,indexer,lightning,hf,dist,start}
+[flags]``: one argument parser with a subcommand per benchmark module (:data:`SUBCOMMANDS`);
+``--help`` works at every level."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Optional
 
-from . import bwd, dist, fwd, hf, indexer, start, train
+from . import bwd, dist, fwd, hf, indexer, lightning, start, train
 
-SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer": indexer, "hf": hf, "dist": dist,
-               "start": start}
+SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer": indexer,
+               "lightning": lightning, "hf": hf, "dist": dist, "start": start}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -155,6 +155,57 @@ def measure(fn, device: torch.device, warmup: int, iters: int) -> Optional[Measu
     return Measurement(ms, (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None)
 
 
+# The breakdown's categories: the first whose prefix names an op on a kernel's launch stack (the
+# op that launched it, then its parents) takes the kernel's time.
+CATEGORIES = (
+    ("indexer", ("mla_inductor::lightning_indexer",)),
+    ("attention", ("mla_inductor::sparse_mla", "mla_inductor::indexer_target")),
+    ("projections", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")),
+)
+
+
+def category(event) -> str:
+    """The category (:data:`CATEGORIES`, else ``other``) of a profiler ``FunctionEvent``: the
+    first category with an op of its prefixes on the event's stack, innermost first, where the
+    indexer's and the attention's ops outrank the GEMMs they launch."""
+    stack = []
+    while event is not None:
+        stack.append(event.name)
+        event = event.cpu_parent
+    for name, prefixes in CATEGORIES:
+        if any(op.startswith(prefixes) for op in stack):
+            return name
+    return "other"
+
+
+def breakdown(step, device: torch.device, wall_ms: float) -> dict:
+    """Milliseconds of one ``step()`` per :data:`CATEGORIES` (and ``other``), from one
+    ``torch.profiler`` trace after a warm call: on CUDA the kernels' durations (each kernel counted
+    for the op that launched it), on the CPU the ops' self times; ``busy`` is their sum, and
+    ``idle = wall_ms - busy`` (``wall_ms``: the step's median time without the profiler; kernels
+    do not overlap on one stream, so busy is the time the GPU computed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    totals = {name: 0.0 for name, _ in CATEGORIES} | {"other": 0.0}
+    for event in prof.events():
+        if cuda:
+            us = sum(k.duration for k in event.kernels)
+        else:
+            us = event.self_cpu_time_total
+        if us:
+            totals[category(event)] += us / 1e3
+    totals["busy"] = sum(totals.values())
+    totals["idle"] = wall_ms - totals["busy"]
+    return totals
+
+
 def _cells(m: Optional[Measurement]) -> str:
     if m is None:
         return "OOM | OOM"
@@ -170,9 +221,11 @@ def _speedup(results: dict) -> str:
     return f"{min(unpatched) / results['patched'].ms:.1f}x"
 
 
-def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5) -> None:
+def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
+             show_breakdown: bool = False) -> None:
     """Prints the table (module docstring) for token counts ``Ts`` and ``index_topk = topk``: real
-    sizes in bf16 on CUDA, or with ``tiny`` :data:`TINY` in float32 on the CPU."""
+    sizes in bf16 on CUDA, or with ``tiny`` :data:`TINY` in float32 on the CPU; with
+    ``show_breakdown``, after each T the patched step's :func:`breakdown`."""
     import transformers
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
 
@@ -210,11 +263,18 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5)
                     forward(attn, inputs, mask).backward(inputs.grad_output)
 
                 results[mode] = measure(step, device, warmup, iters)
+                if show_breakdown and mode == "patched" and results[mode] is not None:
+                    parts = breakdown(step, device, results[mode].ms)
             for p in (inputs.hidden_states, *params):
                 p.grad = None
             del mask, step
             speedup = _speedup(results) if mode == "patched" else ""
             print(f"| {T} | {mode} | {_cells(results[mode])} | {speedup} |", flush=True)
+        if show_breakdown and results["patched"] is not None:
+            unit = "kernel" if device.type == "cuda" else "CPU self"
+            print(f"| {T} | patched, {unit} ms: " + ", ".join(
+                f"{name} {ms:.1f}" for name, ms in parts.items()) +
+                f"; busy / wall {parts['busy'] / results['patched'].ms:.2f} | | | |", flush=True)
         with layer_mode(attn, "sdpa"):
             mask = causal_mask(attn, inputs)[:, 0]
         with torch.no_grad():
@@ -231,7 +291,8 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``hf`` subcommand's flags: ``--T``, ``--topk``, ``--warmup``, ``--iters``, ``--tiny``."""
+    """The ``hf`` subcommand's flags: ``--T``, ``--topk``, ``--warmup``, ``--iters``, ``--tiny``,
+    ``--breakdown``."""
     parser.add_argument("--T", type=int, nargs="+", default=None,
                         help="token counts T (batch 1); default: 4096 16384 (with --tiny: 64 128)")
     parser.add_argument("--topk", type=int, default=None,
@@ -243,6 +304,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed calls per T and mode, the median reported; default: 5")
     parser.add_argument("--tiny", action="store_true",
                         help="a small config on the CPU in float32: a smoke run in seconds")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="after each T, the patched step's time per part (indexer, "
+                             "attention, projections, other) from a profiler trace, and idle")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -256,4 +320,4 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"hf needs transformers (pip install 'mla-inductor[transformers]'): {e}")
     bench_hf(args.T or ([64, 128] if args.tiny else [4096, 16384]),
              args.topk or (16 if args.tiny else 2048), tiny=args.tiny, warmup=args.warmup,
-             iters=args.iters)
+             iters=args.iters, show_breakdown=args.breakdown)

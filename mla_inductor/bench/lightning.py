@@ -1,0 +1,151 @@
+"""lightning: the lightning indexer (scores + top-k selection) against cuDNN frontend's SM90 pair.
+
+For every T (S = T, causal: token t sees keys 0..t), ``--H`` index heads of ``--D`` (DeepSeek-V3.2:
+64 of 128) and ``--topk`` (2048), bf16: times :func:`mla_inductor.lightning_indexer` (``causal``)
+and, where cuDNN frontend is installed and its dense scores fit, its ``indexer_forward_wrapper``
+(dense ``[T, S]`` float32 scores, causal mask) followed by ``indexer_top_k_wrapper`` (radix top-k),
+in the same interleaved rounds (:func:`mla_inductor.bench.timing.time_ms_interleaved`). Reports
+milliseconds, TFLOPS on the causal score FLOPs ``T·S/2·H·D·2``, the peak memory each call
+allocates on top of its inputs, and the agreement of the two selections: the fraction of cuDNN's
+keys that ours also selects, over the last rows (they see the most keys). cuDNN is given
+``sm_scale = D**-0.5`` and ours the same scale folded into the weights (``relu(a·x) = a·relu(x)``
+for ``a > 0``). ``--tiny`` runs small problems on the CPU (the reference backend), without cuDNN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+
+from .indexer import peak_bytes
+from .problems import require_sm90
+from .timing import time_ms_interleaved
+
+AGREEMENT_ROWS = 256  # rows of the selection compared with cuDNN's (the last ones)
+
+
+def _cudnn():
+    """cuDNN frontend's ``(indexer_forward_wrapper, indexer_top_k_wrapper)``, or None."""
+    try:
+        from cudnn.deepseek_sparse_attention import indexer_forward_wrapper, indexer_top_k_wrapper
+    except ImportError:
+        return None
+    return indexer_forward_wrapper, indexer_top_k_wrapper
+
+
+def make_problem(T: int, H: int, D: int, device, dtype, seed: int = 0):
+    """Seeded ``(q [T, H, D], k [T, D], weights [T, H] float32)``: normal q and k in ``dtype``, and
+    weights ``N(0, 1) · H**-0.5`` (the models' ``weights_proj`` output times ``H**-0.5``)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(T, H, D, device=device, generator=gen).to(dtype)
+    k = torch.randn(T, D, device=device, generator=gen).to(dtype)
+    weights = torch.randn(T, H, device=device, generator=gen) * H**-0.5
+    return q, k, weights
+
+
+def agreement(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """The fraction of the valid keys (>= 0) of ``theirs [R, topk]`` that the same row of ``ours``
+    also holds, over all rows."""
+    hits = total = 0
+    for a, b in zip(ours.long(), theirs.long()):
+        b = b[b >= 0]
+        hits += int(torch.isin(b, a[a >= 0]).sum())
+        total += b.numel()
+    return hits / max(total, 1)
+
+
+def bench_lightning(Ts, H: int, D: int, topk: int, tiny: bool = False, rounds: int = 5) -> None:
+    """Prints the table of the module docstring for token counts ``Ts``; ``tiny``: on the CPU in
+    float32, ours alone."""
+    import mla_inductor
+
+    device = torch.device("cpu" if tiny else "cuda")
+    dtype = torch.float32 if tiny else torch.bfloat16
+    anchor = None if tiny else _cudnn()
+    where = "CPU" if tiny else torch.cuda.get_device_name()
+    print(f"# lightning indexer, causal, S = T, {H} index heads x {D}, topk {topk}, "
+          f"{str(dtype).removeprefix('torch.')}, {datetime.date.today()}, {where}, torch "
+          f"{torch.__version__}; TFLOPS on T*S/2*H*D*2; peak: bytes allocated over the inputs"
+          + ("" if anchor or tiny else "; cuDNN frontend not installed"))
+    print("| T | ours ms | ours TFLOPS | ours peak GiB | cuDNN scores + top-k ms | cuDNN TFLOPS "
+          "| cuDNN peak GiB | cuDNN / ours | agreement with cuDNN |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for T in Ts:
+        q, k, weights = make_problem(T, H, D, device, dtype)
+        scale = D**-0.5
+        ours = lambda: mla_inductor.lightning_indexer(  # noqa: E731
+            q, k, weights * scale, topk, causal=True)
+        flops = T * T / 2 * H * D * 2
+        if tiny:
+            import time
+
+            start = time.perf_counter()
+            ours()
+            ms = (time.perf_counter() - start) * 1e3
+            print(f"| {T} | {ms:.1f} | {flops / ms / 1e9:.3f} | - | - | - | - | - | - |")
+            continue
+        fns = {"ours": ours}
+        theirs = None
+        if anchor is not None:
+            scores_fn, topk_fn = anchor
+            lens = torch.arange(1, T + 1, device=device, dtype=torch.int32)
+
+            def theirs():
+                scores = scores_fn(q[None], k[None, :, None], weights[None], ratio=1,
+                                   sm_scale=scale)["scores"]
+                return topk_fn(scores[0], lens, topk, return_val=False)["indices"]
+
+            try:
+                torch.cuda.empty_cache()
+                theirs()
+                fns["cudnn"] = theirs
+            except torch.cuda.OutOfMemoryError:
+                theirs = None
+                torch.cuda.empty_cache()
+        times = time_ms_interleaved(fns, rounds=rounds)
+        ours_peak = peak_bytes(ours) / 2**30
+        ms = times["ours"]
+        cells = [f"{ms:.2f}", f"{flops / ms / 1e9:.0f}", f"{ours_peak:.2f}"]
+        if theirs is not None:
+            cms = times["cudnn"]
+            their_peak = peak_bytes(theirs) / 2**30
+            rows = slice(T - min(T, AGREEMENT_ROWS), T)
+            agree = agreement(ours()[rows], theirs()[rows])
+            cells += [f"{cms:.2f}", f"{flops / cms / 1e9:.0f}", f"{their_peak:.2f}",
+                      f"{cms / ms:.2f}x", f"{agree:.5f}"]
+        else:
+            cells += ["OOM" if anchor is not None else "-"] + ["-"] * 4
+        print(f"| {T} | " + " | ".join(cells) + " |", flush=True)
+        del q, k, weights, fns, theirs
+        torch.cuda.empty_cache()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``lightning`` subcommand's flags: ``--T``, ``--H``, ``--D``, ``--topk``, ``--rounds``,
+    ``--tiny``."""
+    parser.add_argument("--T", type=int, nargs="+", default=None,
+                        help="token counts T = S; default: 16384 32768 65536 131072 (with --tiny: "
+                             "128 512)")
+    parser.add_argument("--H", type=int, default=None,
+                        help="index heads; default: 64 (with --tiny: 4)")
+    parser.add_argument("--D", type=int, default=None,
+                        help="index head width; default: 128 (with --tiny: 32)")
+    parser.add_argument("--topk", type=int, default=None,
+                        help="keys selected per token; default: 2048 (with --tiny: 16)")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="interleaved timing rounds; default: 5")
+    parser.add_argument("--tiny", action="store_true",
+                        help="small problems on the CPU (reference backend): a smoke run")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Runs the subcommand for parsed flags (:func:`add_arguments`). Exits with a message when the
+    sm90 kernels cannot run here (unless ``--tiny``)."""
+    if not args.tiny:
+        require_sm90("lightning indexer", tiny=True)
+    tiny = args.tiny
+    bench_lightning(args.T or ([128, 512] if tiny else [16384, 32768, 65536, 131072]),
+                    args.H or (4 if tiny else 64), args.D or (32 if tiny else 128),
+                    args.topk or (16 if tiny else 2048), tiny=tiny, rounds=args.rounds)
