@@ -1,12 +1,14 @@
 """mla-inductor: DeepSeek-style sparse MLA attention as ``torch.compile``-native custom ops.
 
 Public names: :func:`sparse_mla`, :func:`indexer_target` and :func:`indexer_kl_loss` (the
-indexer's training signal), :func:`use_backend`, :func:`precompile`, ``__version__``.
+indexer's training signal), :func:`lightning_indexer_scores` (the indexer's differentiable
+scores of the selected keys), :func:`use_backend`, :func:`precompile`, ``__version__``.
 """
 
 import torch
 
 from .api import indexer_kl_loss, indexer_target, sparse_mla
+from .api import lightning_indexer_scores
 from .backends import use_backend
 from .precompile import precompile
 
@@ -18,4 +20,4 @@ if torch.distributed.is_available():  # DTensor sharding rules for the ops (mla_
     distributed.register_when_dtensor_imported()
 
 __all__ = ["sparse_mla", "indexer_target", "indexer_kl_loss", "use_backend", "precompile",
-           "__version__"]
+           "lightning_indexer_scores", "__version__"]

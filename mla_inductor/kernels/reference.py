@@ -20,6 +20,9 @@ attention sink (one logit per head in the softmax denominator, no value:
 ``lse = log(exp(sink) + sum_j exp(s_j))``), ``max_logits`` (the maximum valid score, the sink
 not included) and a gradient reaching lse (``dS_j = P_j (dP_j - dpsum + dlse)``,
 ``d_sink = -sum_t P_sink (dpsum - dlse)``).
+
+The lightning indexer's scores at the selected slots and their gradients are in
+:mod:`mla_inductor.kernels.reference_lightning_scores` (exposed here).
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ import math
 from typing import Optional
 
 import torch
+
+from .reference_lightning_scores import (  # noqa: F401  (protocol functions of this backend)
+    lightning_indexer_scores,
+    lightning_indexer_scores_bwd,
+)
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 elements of gathered rows per chunk (16 MiB)
 
