@@ -59,12 +59,14 @@ def lightning_indexer_scores(q, k, weights, indices):
     """Reference forward; see the backend protocol in :mod:`mla_inductor.kernels`.
 
     ``q [B, T, H, D]``, ``k [B, S, D]`` (q's dtype), ``weights [B, T, H]`` float32, ``indices
-    [B, T, topk]`` int32, all contiguous; returns contiguous ``scores [B, T, topk]`` float32.
+    [B, T, topk]`` int32, all contiguous; returns contiguous ``scores [B, T, topk]`` float32
+    (float64 for float64 inputs: :func:`_accumulator`).
     """
     B, T, H, D = q.shape
     S, topk = k.shape[1], indices.shape[-1]
     R = B * T
-    scores = q.new_zeros((B, T, topk), dtype=torch.float32)
+    acc = _accumulator(q)
+    scores = q.new_zeros((B, T, topk), dtype=acc)
     if R == 0 or topk == 0 or S == 0:
         return scores
     q2, w2, i2 = q.reshape(R, H, D), weights.reshape(R, 1, H), indices.reshape(R, topk)
