@@ -14,8 +14,9 @@ occurrence of a duplicated index; deterministic on the CPU, and on CUDA under
 Rows ``r = b * T + t`` are processed in chunks, so that the chunk's gathered keys ``[c, topk, D]``
 and logits ``[c, H, topk]`` (float32) stay within :data:`_CHUNK_ELEMENTS` elements; no
 ``[T, topk, D]`` gather of the whole problem is formed. An empty slot (index < 0 or >= S) reads
-row 0 of its batch element's keys, whose value is then replaced by zeros, so that nothing of that
-row (NaN included) reaches a result; its score is exactly 0 and it gets no gradient.
+a zero row appended to the keys (never a key: nothing of the keys, NaN included, reaches a result
+through it), its logits are set to 0 and its ``dscores`` ignored: its score is exactly 0 and it
+gives and gets no gradient.
 """
 
 from __future__ import annotations
@@ -31,22 +32,29 @@ def _chunks(R: int, topk: int, D: int, H: int):
         yield r0, min(R, r0 + step)
 
 
-def _slots(indices: torch.Tensor, r0: int, r1: int, T: int, S: int):
+def _slots(indices: torch.Tensor, r0: int, r1: int, T: int, S: int, B: int):
     """``(valid [c, topk] bool, rows [c, topk] int64)`` of flattened rows ``r0 .. r1``: whether
-    each slot names a key, and the row of the flattened keys ``[B * S, D]`` it reads (row 0 of its
-    batch element for an empty slot)."""
+    each slot names a key, and the row of the padded keys ``[B * S + 1, D]`` it reads: its batch
+    element's key, or the zero row ``B * S`` for an empty slot."""
     idx = indices[r0:r1]
     valid = (idx >= 0) & (idx < S)
     batch = torch.arange(r0, r1, device=idx.device) // max(T, 1)
-    rows = torch.where(valid, idx, 0).long() + (batch * S)[:, None]
+    rows = torch.where(valid, idx.long() + (batch * S)[:, None], B * S)
     return valid, rows
 
 
-def _gather(k: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor, acc) -> torch.Tensor:
-    """``k [B * S, D]`` at ``rows [c, topk]`` as ``[c, topk, D]`` of dtype ``acc``, zeros on empty
-    slots."""
-    picked = k.index_select(0, rows.reshape(-1)).reshape(*rows.shape, k.shape[-1])
-    return torch.where(valid[..., None], picked.to(acc), 0.0)
+def _padded(k: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``k [B, S, D]`` as ``[B * S + 1, D]`` of dtype ``acc`` with a zero last row, which the
+    empty slots read (one copy of the keys, instead of a mask over every gathered row)."""
+    B, S, D = k.shape
+    padded = k.new_zeros((B * S + 1, D), dtype=acc)
+    padded[:-1] = k.reshape(B * S, D)
+    return padded
+
+
+def _gather(k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The padded keys ``k [B * S + 1, D]`` at ``rows [c, topk]``: ``[c, topk, D]``."""
+    return k.index_select(0, rows.reshape(-1)).reshape(*rows.shape, k.shape[-1])
 
 
 def _accumulator(q: torch.Tensor) -> torch.dtype:
@@ -70,12 +78,11 @@ def lightning_indexer_scores(q, k, weights, indices):
     if R == 0 or topk == 0 or S == 0:
         return scores
     q2, w2, i2 = q.reshape(R, H, D), weights.reshape(R, 1, H), indices.reshape(R, topk)
-    k2, out = k.reshape(B * S, D), scores.view(R, topk)
+    k2, out = _padded(k, acc), scores.view(R, topk)
     for r0, r1 in _chunks(R, topk, D, H):
-        valid, rows = _slots(i2, r0, r1, T, S)
-        keys = _gather(k2, rows, valid, acc)
-        logits = torch.bmm(q2[r0:r1].to(acc), keys.transpose(1, 2)).relu_()  # [c, H, topk]
-        s = torch.bmm(w2[r0:r1].to(acc), logits).squeeze(1)  # [c, topk]
+        valid, rows = _slots(i2, r0, r1, T, S, B)
+        logits = torch.bmm(q2[r0:r1].to(acc), _gather(k2, rows).transpose(1, 2))  # [c, H, topk]
+        s = torch.bmm(w2[r0:r1].to(acc), logits.relu_()).squeeze(1)  # [c, topk]
         out[r0:r1] = torch.where(valid, s, 0.0)
     return scores
 
@@ -86,30 +93,31 @@ def lightning_indexer_scores_bwd(dscores, q, k, weights, indices):
     ``dscores [B, T, topk]`` float32, the rest as :func:`lightning_indexer_scores`'s, all
     contiguous. Returns contiguous ``dq [B, T, H, D]`` in q's dtype, ``dk [B, S, D]`` in k's dtype
     (rows no valid slot names get exact zeros) and ``dweights [B, T, H]`` float32 (module
-    docstring; float64 for float64 inputs). Empty slots contribute nothing, whatever their ``dscores`` (NaN included).
+    docstring; float64 for float64 inputs). Empty slots contribute nothing, whatever their
+    ``dscores`` (NaN included).
     """
     B, T, H, D = q.shape
     S, topk = k.shape[1], indices.shape[-1]
     R = B * T
     acc = _accumulator(q)
     dq = torch.zeros((R, H, D), dtype=q.dtype, device=q.device)
-    dk = torch.zeros((B * S, D), dtype=acc, device=k.device)
+    dk = torch.zeros((B * S + 1, D), dtype=acc, device=k.device)  # the last row: empty slots'
     dweights = torch.zeros((R, H), dtype=acc, device=q.device)
     if R and topk and S:
         q2, w2, i2 = q.reshape(R, H, D), weights.reshape(R, H), indices.reshape(R, topk)
-        g2, k2 = dscores.reshape(R, topk), k.reshape(B * S, D)
+        g2, k2 = dscores.reshape(R, topk), _padded(k, acc)
         for r0, r1 in _chunks(R, topk, D, H):
-            valid, rows = _slots(i2, r0, r1, T, S)
-            keys = _gather(k2, rows, valid, acc)
+            valid, rows = _slots(i2, r0, r1, T, S, B)
+            keys = _gather(k2, rows)
             qc = q2[r0:r1].to(acc)
             logits = torch.bmm(qc, keys.transpose(1, 2))  # [c, H, topk]
-            g = torch.where(valid, g2[r0:r1].to(acc), 0.0)[:, None, :]  # [c, 1, topk]
-            # an empty slot's logit (0, or NaN for an inf in q) must not reach dweights
-            relu = torch.where(valid[:, None, :], logits.relu(), 0.0)
-            dweights[r0:r1] = (relu * g).sum(-1)
-            live = valid[:, None, :] & (logits > 0)
-            dlogits = torch.where(live, g * w2[r0:r1].to(acc)[..., None], 0.0)
+            # an empty slot's logit (0, or NaN for an inf in q) must reach nothing
+            logits.masked_fill_(~valid[:, None, :], 0.0)
+            g = torch.where(valid, g2[r0:r1].to(acc), 0.0)[..., None]  # [c, topk, 1]
+            dweights[r0:r1] = torch.bmm(logits.clamp_min(0.0), g).squeeze(-1)
+            dlogits = torch.where(logits > 0, g.transpose(1, 2) * w2[r0:r1].to(acc)[..., None],
+                                  0.0)
             dq[r0:r1] = torch.bmm(dlogits, keys).to(q.dtype)
-            dkeys = torch.bmm(dlogits.transpose(1, 2), qc)  # [c, topk, D]
-            dk.index_add_(0, rows[valid], dkeys[valid])
-    return (dq.view(B, T, H, D), dk.view(B, S, D).to(k.dtype), dweights.view(B, T, H))
+            dkeys = torch.bmm(dlogits.transpose(1, 2), qc)  # [c, topk, D]; 0 on empty slots
+            dk.index_add_(0, rows.reshape(-1), dkeys.reshape(-1, D))
+    return dq.view(B, T, H, D), dk[:-1].view(B, S, D).to(k.dtype), dweights.view(B, T, H)
