@@ -1,14 +1,15 @@
 """mla-inductor: DeepSeek-style sparse MLA attention as ``torch.compile``-native custom ops.
 
 Public names: :func:`sparse_mla`, :func:`indexer_target` and :func:`indexer_kl_loss` (the
-indexer's training signal), :func:`lightning_indexer` (the indexer's top-k),
+indexer's training signal), :func:`lightning_indexer` (the indexer's top-k) and
+:func:`lightning_indexer_scores` (its differentiable scores of the selected keys),
 :func:`use_backend`, :func:`precompile`, ``__version__``.
 """
 
 import torch
 
 from .api import indexer_kl_loss, indexer_target, sparse_mla
-from .api import lightning_indexer
+from .api import lightning_indexer, lightning_indexer_scores
 from .backends import use_backend
 from .precompile import precompile
 
@@ -19,5 +20,5 @@ if torch.distributed.is_available():  # DTensor sharding rules for the ops (mla_
 
     distributed.register_when_dtensor_imported()
 
-__all__ = ["sparse_mla", "indexer_target", "indexer_kl_loss", "lightning_indexer", "use_backend",
-           "precompile", "__version__"]
+__all__ = ["sparse_mla", "indexer_target", "indexer_kl_loss", "lightning_indexer",
+           "lightning_indexer_scores", "use_backend", "precompile", "__version__"]

@@ -1,6 +1,7 @@
 """The public entry points: :func:`sparse_mla` (argument types in, the entry op, outputs out), and
-the indexer's training signal, :func:`indexer_target` and :func:`indexer_kl_loss`, and the
-indexer's selection, :func:`lightning_indexer`."""
+the indexer's training signal, :func:`indexer_target` and :func:`indexer_kl_loss`, the
+indexer's selection, :func:`lightning_indexer`, and its differentiable scores of the selected
+keys, :func:`lightning_indexer_scores`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from . import custom_ops, indexer  # noqa: F401  (register torch.ops.mla_inducto
 from . import lightning_indexer as _lightning_ops  # noqa: F401  (registers its ops)
 from . import layout
 from .kernels.reference import valid_slots
+from . import lightning_scores  # noqa: F401  (registers torch.ops.mla_inductor.lightning_*)
 
 
 def _require(cond: bool, message: str) -> None:
@@ -348,3 +350,45 @@ def _require_lightning(cond: bool, message: str) -> None:
     """:func:`_require` for :func:`lightning_indexer`'s argument types."""
     if not cond:
         raise RuntimeError(f"lightning_indexer: {message}")
+def lightning_indexer_scores(q: Tensor, k: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
+    """The lightning indexer's scores of the selected keys, differentiable in q, k and weights:
+    the logits of DSA's indexer loss (:func:`indexer_kl_loss`).
+
+    ``scores[.., t, j] = sum_h weights[.., t, h] * relu(q[.., t, h] . k[.., indices[.., t, j]])``
+    (the lightning indexer of DeepSeek-V3.2-Exp technical report, section 2.1; any scale, e.g.
+    ``softmax_scale * H**-0.5``, folded into ``weights``), float32 products and accumulation,
+    computed at the ``topk`` selected slots only (never a ``[T, S]`` tensor, nor a ``[T, topk,
+    D]`` gather of the whole problem). The backward is a gathered product like the attention's:
+    ``dweights[t, h] = sum_j g[t, j] relu(q[t, h] . k_j)``, ``dq`` and ``dk`` through relu's
+    gradient, which is 0 where ``q . k <= 0`` (0 at exactly 0, as ``torch.relu``'s); ``dk`` is
+    accumulated in float32, once per occurrence of a duplicated index.
+
+    Args:
+        q: ``[T, H, D]`` or batched ``[B, T, H, D]`` (H index heads); bfloat16 or float16
+            (float32 on the reference backend).
+        k: ``[S, D]`` or ``[S, 1, D]``; batched ``[B, S, D]`` or ``[B, S, 1, D]``; q's dtype.
+        weights: ``[T, H]`` (batched ``[B, T, H]``) float32, the per-token head weights.
+        indices: ``[T, topk]`` (batched ``[B, T, topk]``, local to each batch element) int32 or
+            int64, e.g. :func:`mla_inductor.lightning_indexer`'s. An index < 0 or >= S is an
+            empty slot: never read, score exactly 0, no gradient. Duplicates count once per
+            occurrence.
+
+    Returns:
+        ``scores [T, topk]`` (batched ``[B, T, topk]``) float32. A NaN in q or weights, or in a
+        key a valid slot names, gives NaN on the slots it reaches; keys no valid slot names are
+        never read.
+
+    Raises:
+        RuntimeError (every message starts ``lightning_indexer_scores:``): an argument that is
+            not a tensor; wrong ranks or sizes (the message gives the expected layout and the
+            shape found), a k head dimension other than 1, a D mismatch, q not bfloat16,
+            float16 or float32, k not q's dtype, weights not float32, non-integer indices, mixed
+            devices (all of these also at trace time under ``torch.compile``); a forced backend
+            that cannot run here. On a CUDA device without a kernel for it, it runs on the
+            PyTorch reference (with a warning).
+    """
+    for name, t in (("q", q), ("k", k), ("weights", weights), ("indices", indices)):
+        if not isinstance(t, Tensor):
+            raise RuntimeError(f"lightning_indexer_scores: {name} must be a torch.Tensor, got "
+                               f"{type(t).__name__}")
+    return torch.ops.mla_inductor.lightning_indexer_scores_entry(q, k, weights, indices)

@@ -3,7 +3,9 @@
 What inductor does with our ops (torch 2.9 to 2.13):
 - The entry op ``sparse_mla`` never reaches inductor: AOTAutograd decomposes it (that is where the
   threshold policy runs), leaving ``sparse_mla_fwd`` / ``sparse_mla_bwd`` in the graphs (and
-  likewise ``indexer_target_entry`` leaves ``indexer_target``, :mod:`mla_inductor.indexer`).
+  likewise ``indexer_target_entry`` leaves ``indexer_target``, :mod:`mla_inductor.indexer`, and
+  ``lightning_indexer_scores_entry`` the scores op and its backward,
+  :mod:`mla_inductor.lightning_scores`).
 - These ops carry ``torch.Tag.needs_contiguous_strides`` (a public tag, set in ``custom_ops.py``):
   inductor then writes their tensor operands contiguously, fusing pointwise producers (a scale, a
   transpose-copy, the int64 -> int32 index cast and the invalid-slot mask of
@@ -59,6 +61,8 @@ def install() -> bool:
         torch.ops.mla_inductor.sparse_mla_bwd.default,
         torch.ops.mla_inductor.indexer_target.default,
         torch.ops.mla_inductor.lightning_indexer.default,
+        torch.ops.mla_inductor.lightning_indexer_scores.default,
+        torch.ops.mla_inductor.lightning_indexer_scores_bwd.default,
     ):
         if op not in lowerings:
             make_fallback(op, layout_constraint=require_contiguous, warn=False)

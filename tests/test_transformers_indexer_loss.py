@@ -30,6 +30,7 @@ from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 from mla_inductor.integrations import transformers as hf
 from mla_inductor.integrations import transformers_indexer_loss as loss_mod
 from mla_inductor.integrations.transformers_indexer import Visibility
+from mla_inductor.kernels import reference_lightning_scores
 
 from conftest import rel_l2
 from test_transformers import TINY, _ids, _layer_kwargs
@@ -266,19 +267,20 @@ def test_a_cache_with_earlier_tokens_is_refused():
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_chunks_of_one_token_give_the_same_loss_and_gradients(name, monkeypatch):
-    """``LOSS_BYTES = 1``: the logits in 1-token chunks (64 checkpointed chunks per layer instead of
-    one) give the one-chunk loss and indexer gradients within float32 rounding."""
+def test_the_logits_come_from_the_scores_op_in_any_chunking(name, monkeypatch):
+    """The logits are :func:`mla_inductor.lightning_indexer_scores` of the indexer's queries,
+    keys and head weights (one call per layer with an indexer); its reference in chunks of one
+    token gives the one-chunk loss and indexer gradients within float32 rounding."""
     model = _model(name)
     hf.apply(model, indexer_loss=True)
     ids, mask = _batch()
-    chunks, checkpoint = [], loss_mod.checkpoint
+    calls, op = [], loss_mod.lightning_indexer_scores
 
-    def counted(fn, *args, **kwargs):
-        chunks.append(args[2].shape[1])  # the chunk's hidden_states [B, c, hidden]
-        return checkpoint(fn, *args, **kwargs)
+    def counted(q, k, w, idx):
+        calls.append((tuple(q.shape), tuple(k.shape), tuple(w.shape), tuple(idx.shape)))
+        return op(q, k, w, idx)
 
-    monkeypatch.setattr(loss_mod, "checkpoint", counted)
+    monkeypatch.setattr(loss_mod, "lightning_indexer_scores", counted)
 
     def run():
         model.zero_grad(set_to_none=True)
@@ -288,12 +290,18 @@ def test_chunks_of_one_token_give_the_same_loss_and_gradients(name, monkeypatch)
         return loss, {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
 
     one, one_grads = run()
+    cfg = model.config
+    B, T = ids.shape
     layers = 2 if name == "deepseek_v32" else 1
-    assert chunks == [64] * layers
-    chunks.clear()
-    monkeypatch.setattr(loss_mod, "LOSS_BYTES", 1)
+    assert calls == [((B, T, cfg.index_n_heads, cfg.index_head_dim), (B, T, cfg.index_head_dim),
+                      (B, T, cfg.index_n_heads), (B, T, cfg.index_topk))] * layers
+    rows = []
+    gather = reference_lightning_scores._gather
+    monkeypatch.setattr(reference_lightning_scores, "_gather",
+                        lambda k, r, *a: rows.append(r.shape[0]) or gather(k, r, *a))
+    monkeypatch.setattr(reference_lightning_scores, "_CHUNK_ELEMENTS", 1)
     many, many_grads = run()
-    assert chunks == [1] * 64 * layers
+    assert set(rows) == {1} and len(rows) == 2 * B * T * layers  # forward and backward
     assert abs(many.item() - one.item()) <= 1e-6 * one.item()
     assert many_grads.keys() == one_grads.keys()
     assert all(rel_l2(many_grads[k], g) <= 1e-5 for k, g in one_grads.items())
@@ -302,12 +310,14 @@ def test_chunks_of_one_token_give_the_same_loss_and_gradients(name, monkeypatch)
 def test_the_backward_keeps_no_gathered_keys(monkeypatch):
     """What the loss keeps for the backward (tensors autograd saves while a layer computes it,
     other than those the model saves anyway): 14 bytes per selected slot (int32 indices, float32
-    target and log-probabilities, two bool masks), the indexer keys twice and O(B·T), in one
-    chunk or many; not the gathered keys ``[B, T, topk, head_dim]`` (64 bytes per slot here)."""
+    target and log-probabilities, two bool masks), the indexer's queries ``[B, T, n_heads,
+    head_dim]`` (which the scores op keeps), its keys twice, its head weights and O(B·T); not
+    the gathered keys ``[B, T, topk, head_dim]`` (64 bytes per slot here)."""
     model = _model("deepseek_v32", index_topk=24)  # topk != head_dim, so their shapes differ
     hf.apply(model, indexer_loss=True)
     ids, mask = _batch()
-    B, T, topk, D = 2, 64, 24, model.config.index_head_dim
+    B, T, topk = 2, 64, 24
+    H, D = model.config.index_n_heads, model.config.index_head_dim
     inside, kept, elsewhere = [False], {}, set()
     layer_loss = loss_mod.layer_loss
 
@@ -327,17 +337,15 @@ def test_the_backward_keeps_no_gathered_keys(monkeypatch):
         return t
 
     monkeypatch.setattr(loss_mod, "layer_loss", flagged)
-    for budget in (loss_mod.LOSS_BYTES, 1):
-        monkeypatch.setattr(loss_mod, "LOSS_BYTES", budget)
-        kept.clear()
-        elsewhere.clear()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = model(ids, attention_mask=mask, use_cache=False)  # held: no storage reused
-        total = sum(n for ptr, n in kept.items() if ptr not in elsewhere)
-        per_layer = 14 * B * T * topk + 2 * 4 * B * T * D + 16 * B * T + 256
-        assert 2 * 14 * B * T * topk < total <= 2 * per_layer, (budget, total)
-        hf.indexer_loss(model)
-        del out
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(ids, attention_mask=mask, use_cache=False)  # held: no storage reused
+    total = sum(n for ptr, n in kept.items() if ptr not in elsewhere)
+    floor = 14 * B * T * topk + 4 * B * T * H * D
+    per_layer = floor + 2 * 4 * B * T * D + 4 * B * T * H + 16 * B * T + 256
+    assert 2 * floor < total <= 2 * per_layer, total
+    assert total < 2 * 4 * B * T * topk * D  # the gathered keys alone would be more
+    hf.indexer_loss(model)
+    del out
 
 
 @pytest.mark.parametrize("name", MODELS)

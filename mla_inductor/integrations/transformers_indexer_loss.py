@@ -16,27 +16,28 @@ forward:
 - ``logits[t, j] = sum_h w[t, h] · relu(softmax_scale · q_I[t, h] · k_I[indices[t, j]])``,
   ``w = weights_proj(x) · n_heads**-0.5``, from the indexer's own ``wq_b``, ``wk``, ``k_norm``,
   ``weights_proj`` and RoPE (:mod:`.transformers_indexer`'s definitions), with autograd, on
-  ``hidden_states.detach()`` and ``q_resid.detach()``; float32 products, as the model's indexer
-  scores;
+  ``hidden_states.detach()`` and ``q_resid.detach()``: the op
+  :func:`mla_inductor.lightning_indexer_scores` of the indexer's queries, keys and head weights
+  (``softmax_scale`` folded into the weights), float32 products, as the model's indexer scores;
 - ``loss = indexer_kl_loss(logits, target, indices, kv_len=S)``
   (:func:`mla_inductor.indexer_kl_loss`): the KL over each token's valid slots, averaged over the
   tokens that have one; empty slots get zero gradient.
 
-Memory: the logits are computed in chunks of query tokens, each under ``torch.utils.checkpoint``
-(non-reentrant), whose float32 gathered keys ``[B, c, topk, head_dim]`` and scores ``[B, c,
-n_heads, topk]`` (the chunk's queries too) are not kept for the backward: it recomputes them, one
-chunk at a time. ``c`` is the most tokens whose two tensors fit in :data:`LOSS_BYTES` (256 MiB;
-at least 1 token); a chunk holds up to about three times that at once (those tensors, the
-layer-dtype gather before its float32 copy, and in the backward their gradients). What each
-layer keeps for the backward (``tests/test_transformers_indexer_loss.py`` counts it): 14 bytes
-per selected slot (the int32 indices, the float32 target and log-probabilities, two bool masks of
-the valid slots), 448 MiB at B 1, T 16384, topk 2048 (the float32 gathered keys alone would be 16 GiB),
-plus this call's indexer keys twice (``[B, T, head_dim]`` in the layer's dtype) and O(B·T); the
-chunks also read the layer's ``hidden_states`` and ``q_resid``, which the model keeps for its own
-backward anyway. Time: the indexer's query projection and the chunks' float32 products run in
-the forward, again in the backward's recomputation, and twice for the gradients (float32
-products, as transformers' indexer scores in float32), and one
-:func:`~mla_inductor.indexer_target` per layer; not measured on a GPU.
+Memory: the scores op gathers the selected keys inside its backend (the reference in bounded
+chunks of tokens, a kernel in registers) and keeps for its backward only its inputs; no
+``[B, T, topk, head_dim]`` gather and no ``[B, T, n_heads, topk]`` scores are kept (nor formed
+for the whole problem). What each layer keeps for the backward
+(``tests/test_transformers_indexer_loss.py`` counts it): 14 bytes per selected slot (the int32
+indices, the float32 target and log-probabilities, two bool masks of the valid slots), 448 MiB at
+B 1, T 16384, topk 2048, plus the indexer's queries ``[B, T, n_heads, head_dim]`` in the layer's
+dtype (256 MiB there with 64 heads of 128 in bfloat16), its keys twice (``[B, T, head_dim]``),
+its float32 head weights and O(B·T); the layer's ``hidden_states`` and ``q_resid``, which the
+model keeps for its own backward anyway, are read too. Keeping the queries, rather than
+recomputing them (and the scores) in the backward under a checkpoint, costs less memory than the
+KL's own 14 bytes per slot and saves the query projection and the scores' forward a second time.
+Time: the indexer's projections and the op's forward once, the op's backward (the gradients of
+queries, keys and weights from one recomputation of the slots' products), and one
+:func:`~mla_inductor.indexer_target` per layer.
 
 Transformers' gradient checkpointing (``model.activation_checkpointing_enable()``, non-reentrant
 by default) works: the recomputation inside the backward computes the loss again (its backward
@@ -50,13 +51,9 @@ from typing import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from ..api import indexer_kl_loss, indexer_target
-from .transformers_indexer import chunk_tokens, head_weights, index_keys, index_queries
-
-# The float32 gathered keys and scores one chunk of the logits may hold: 256 MiB.
-LOSS_BYTES = 2**28
+from ..api import indexer_kl_loss, indexer_target, lightning_indexer_scores
+from .transformers_indexer import head_weights, index_keys, index_queries
 
 # The attribute of an attention module holding its recorded losses (a list of 0-d float32
 # tensors); present exactly while the layer's indexer loss is enabled.
@@ -153,43 +150,15 @@ def indexer_logits(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_
     """The indexer's logits of the selected keys, ``[B, T, topk]`` float32, differentiable in the
     indexer's parameters (and in ``hidden_states`` / ``q_resid`` where those require grad):
     ``logits[b, t, j] = sum_h w[b, t, h] · relu(softmax_scale · q[b, t, h] · k[b, indices[b, t,
-    j]])`` with the model's indexer definitions (``w`` its head weights), in chunks of query
-    tokens under non-reentrant checkpointing (module docstring; :data:`LOSS_BYTES` read at each
-    call). Keys are this call's tokens
-    (``S = T``); an empty slot (index < 0 or >= T) gets the logit of key 0, which
-    :func:`mla_inductor.indexer_kl_loss` ignores (zero gradient).
+    j]])`` with the model's indexer definitions (``w`` its head weights, ``softmax_scale`` folded
+    into them: ``relu(a·x) = a·relu(x)`` for ``a > 0``), by
+    :func:`mla_inductor.lightning_indexer_scores` (module docstring). Keys are this call's tokens
+    (``S = T``); an empty slot (index < 0 or >= T) gets logit 0 and no gradient.
 
     ``hidden_states [B, T, hidden_size]``, ``q_resid [B, T, q_lora_rank]``, ``(cos, sin)`` each
     ``[B or 1, T, qk_rope_head_dim]``, ``indices [B, T, topk]`` integer.
     """
-    B, T, topk = indices.shape
-    H, D = indexer.n_heads, indexer.head_dim
     keys = index_keys(indexer, rope, hidden_states, position_embeddings)  # [B, T, D]
-    # [B·(H + D), topk] float32 per token: one token's gathered keys and scores
-    chunk = chunk_tokens(B * (H + D), topk, LOSS_BYTES)
-    cos, sin = position_embeddings
-    parts = []
-    for t0 in range(0, T, chunk):
-        t1 = min(t0 + chunk, T)
-        parts.append(checkpoint(
-            _chunk_logits, indexer, rope, hidden_states[:, t0:t1], q_resid[:, t0:t1],
-            cos[:, t0:t1], sin[:, t0:t1], keys, indices[:, t0:t1],
-            use_reentrant=False, preserve_rng_state=False,
-        ))
-    return torch.cat(parts, 1)
-
-
-def _chunk_logits(indexer: nn.Module, rope: Callable, x: Tensor, q_resid: Tensor, cos: Tensor,
-                  sin: Tensor, keys: Tensor, indices: Tensor) -> Tensor:
-    """One chunk of ``c`` tokens: ``x [B, c, hidden_size]``, ``q_resid [B, c, q_lora_rank]``,
-    ``cos, sin [B or 1, c, rot]``, ``keys [B, T, D]`` (the layer's dtype), ``indices [B, c,
-    topk]``; returns ``[B, c, topk]`` float32 (``softmax_scale`` folded into the head weights:
-    ``relu(a·x) = a·relu(x)`` for ``a > 0``)."""
-    B, c, topk = indices.shape
-    T, D = keys.shape[1:]
-    rows = torch.where((indices >= 0) & (indices < T), indices, 0).long().view(B, c * topk, 1)
-    picked = keys.gather(1, rows.expand(B, c * topk, D)).float().view(B * c, topk, D)
-    q = index_queries(indexer, rope, q_resid, (cos, sin)).float()  # [B, c, H, D]
-    w = head_weights(indexer, x)  # [B, c, H]
-    scores = torch.bmm(q.view(B * c, -1, D), picked.transpose(1, 2)).relu()  # [B·c, H, topk]
-    return torch.bmm(w.view(B * c, 1, -1), scores).view(B, c, topk)
+    queries = index_queries(indexer, rope, q_resid, position_embeddings)  # [B, T, H, D]
+    weights = head_weights(indexer, hidden_states)  # [B, T, H] float32
+    return lightning_indexer_scores(queries, keys, weights, indices)

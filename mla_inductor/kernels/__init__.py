@@ -64,6 +64,25 @@ sm_scale, d_v) -> (dq, dkv, d_sink)``
     ``[T, S]`` tensor beyond a bounded chunk. ``reference`` has it (``emulate`` runs the
     reference's); ``auto`` on a CUDA backend without it (or whose ``supports()`` says no) falls
     back to the reference with the warning.
+``lightning_indexer_scores(q, k, weights, indices) -> scores`` (optional)
+    The lightning indexer's scores at the selected slots (:mod:`mla_inductor.lightning_scores`):
+    ``q [B, T, H, D]`` (bf16/fp16; fp32 on the reference path), ``k [B, S, D]`` q's dtype,
+    ``weights [B, T, H]`` float32, ``indices [B, T, topk]`` int32 local to each batch element
+    (any value < 0 or >= S is an empty slot, never read), all contiguous. Returns contiguous
+    ``scores [B, T, topk]`` float32, ``sum_h weights[b, t, h] * relu(q[b, t, h] .
+    k[b, indices[b, t, j]])`` with fp32 products and accumulation, exactly 0 on empty slots.
+    Dispatched as ``"lightning_indexer_scores"`` with dims ``(T, H, S, D, 0, frozenset())``.
+
+``lightning_indexer_scores_bwd(dscores, q, k, weights, indices) -> (dq, dk, dweights)``
+(optional)
+    Its backward: ``dscores [B, T, topk]`` float32, the rest as the forward's. Returns contiguous
+    ``dq [B, T, H, D]`` in q's dtype, ``dk [B, S, D]`` in k's dtype (fp32 accumulation over the
+    valid slots, once per occurrence of a duplicated index, as the attention backward's dkv; rows
+    no valid slot names get exact zeros) and ``dweights [B, T, H]`` float32; relu's gradient is 0
+    where ``q . k <= 0`` (0 at exactly 0, as ``torch.relu``'s). Empty slots contribute nothing,
+    whatever their ``dscores``. Dispatched as ``"lightning_indexer_scores_bwd"`` with the
+    forward's dims. ``reference`` has both; ``auto`` on a CUDA backend without one falls back to
+    the reference with the warning, and a forced backend does the same.
 
 ``supports(dtype, direction, T, H, S, d_qk, d_v, features) -> tuple[bool, str]`` (optional)
     Whether the backend handles this problem (``direction``: ``"forward"``, ``"backward"``,

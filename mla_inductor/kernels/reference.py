@@ -22,7 +22,8 @@ not included) and a gradient reaching lse (``dS_j = P_j (dP_j - dpsum + dlse)``,
 ``d_sink = -sum_t P_sink (dpsum - dlse)``).
 
 The lightning indexer's reference (scores and an exact top-k selection, chunked) is
-:mod:`mla_inductor.kernels.reference_lightning`.
+:mod:`mla_inductor.kernels.reference_lightning`; its scores at the selected slots and their
+gradients are in :mod:`mla_inductor.kernels.reference_lightning_scores` (both exposed here).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from typing import Optional
 import torch
 
 from .reference_lightning import lightning_indexer  # noqa: F401  (the protocol function)
+from .reference_lightning_scores import (  # noqa: F401  (protocol functions of this backend)
+    lightning_indexer_scores,
+    lightning_indexer_scores_bwd,
+)
 
 _CHUNK_ELEMENTS = 1 << 22  # fp32 elements of gathered rows per chunk (16 MiB)
 
