@@ -15,20 +15,27 @@ from . import layout
 from .kernels.reference import valid_slots
 
 
-def _require(cond: bool, message: str) -> None:
+def _require(cond: bool, message) -> None:
     """A check of the Python argument types, which the op's schema needs before it can be called
     (a plain raise; under torch.compile Dynamo reports it as an observed exception). Layouts,
     shapes and dtypes are checked by the entry op (:mod:`mla_inductor.validation`), whose
-    messages come first in the error at trace time."""
+    messages come first in the error at trace time. ``message`` is a string or, where it formats
+    a value that may be symbolic under ``torch.compile`` (a size, a Python int argument), a
+    function returning one, called only on failure (Dynamo cannot trace the formatting of a
+    symbolic value, and must not see a size turned into a constant)."""
     if not cond:
-        raise RuntimeError(f"sparse_mla: {message}")
+        raise RuntimeError(f"sparse_mla: {message if isinstance(message, str) else message()}")
 
 
 def _number(name: str, value, integral: bool = False):
     """``value`` as the Python number the op's schema takes (``int`` if ``integral``, else
-    ``float``); torch's symbolic numbers pass through. A tensor, even a 0-d one, is refused in
-    eager and compiled code alike: under torch.compile its value is not known while tracing, and
-    the op needs it then (it is a compile-time constant of the kernels)."""
+    ``float``); a Python ``int`` (``float``) and torch's symbolic numbers pass through unchanged,
+    so that a size that ``torch.compile`` traces as a symbol (a Python int argument under
+    ``dynamic=True``, ``kv.shape[0]`` of a dynamic dimension) stays symbolic: one graph for every
+    value, no specialisation. Under Dynamo such a symbol is seen as an ``int`` (not a
+    ``torch.SymInt``), so it is neither cast nor formatted here. A tensor, even a 0-d one, is
+    refused in eager and compiled code alike: under torch.compile its value is not known while
+    tracing, and the op needs it then (it is a compile-time constant of the kernels)."""
     kind = "int" if integral else "float"
     if isinstance(value, Tensor):
         raise RuntimeError(
@@ -38,7 +45,10 @@ def _number(name: str, value, integral: bool = False):
     if isinstance(value, (torch.SymInt, torch.SymFloat)):
         return value
     ok = isinstance(value, numbers.Integral if integral else numbers.Real)
-    _require(ok and not isinstance(value, bool), f"{name} must be a Python {kind}, got {value!r}")
+    _require(ok and not isinstance(value, bool),
+             lambda: f"{name} must be a Python {kind}, got {value!r}")
+    if isinstance(value, int if integral else float):
+        return value
     return int(value) if integral else float(value)
 
 
@@ -244,12 +254,12 @@ def indexer_kl_loss(
         _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _require(
         indexer_logits.shape == target.shape and indices.shape == target.shape,
-        f"indexer_kl_loss needs indexer_logits, target and indices of one shape [.., T, topk], "
+        lambda: f"indexer_kl_loss needs indexer_logits, target and indices of one shape [.., T, topk], "
         f"got {tuple(indexer_logits.shape)}, {tuple(target.shape)}, {tuple(indices.shape)}",
     )
     _require(
         not indices.is_floating_point() and indices.dtype != torch.bool and indices.dim() >= 2,
-        f"indices must be an integer tensor [.., T, topk], got {indices.dtype} "
+        lambda: f"indices must be an integer tensor [.., T, topk], got {indices.dtype} "
         f"{tuple(indices.shape)}",
     )
     kv_len = _number("kv_len", kv_len, integral=True)

@@ -234,7 +234,7 @@ sparse_mla_fwd.register_autograd(_backward, setup_context=_setup_context)
 _lib = torch.library.Library("mla_inductor", "FRAGMENT")
 _lib.define(
     "sparse_mla(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? q_positions, "
-    "Tensor? attn_sink, bool causal, float sm_scale, int d_v, float? rescale_threshold, "
+    "Tensor? attn_sink, bool causal, float sm_scale, SymInt d_v, float? rescale_threshold, "
     "bool return_max_logits) -> (Tensor, Tensor, Tensor)"
 )
 
