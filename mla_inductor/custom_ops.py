@@ -100,7 +100,7 @@ def sparse_mla_fwd(
     check_forward_inputs(q, kv, indices, topk_length, d_v)
     check_features(q, q_positions, attn_sink)
     check_rescale_threshold(rescale_threshold, q.dtype)
-    check_no_forward_ad(q, kv)
+    check_no_forward_ad(q, kv, attn_sink)
     dims = _dims(q, kv, d_v, causal=q_positions is not None, sink=attn_sink is not None,
                  max_logits=return_max_logits)
     backend = backends.select(q.device, q.dtype, "forward", dims)
@@ -242,7 +242,7 @@ _lib.define(
 def _sparse_mla(q, kv, indices, topk_length, q_positions, attn_sink, causal, sm_scale, d_v,
                 rescale_threshold, return_max_logits):
     check_no_func_transform()
-    check_no_forward_ad(q, kv)
+    check_no_forward_ad(q, kv, attn_sink)
     if rescale_threshold is not None:
         check_rescale_threshold(rescale_threshold, q.dtype)
     flat = layout.flatten(q, kv, indices, topk_length, causal, q_positions)

@@ -299,18 +299,22 @@ def check_no_func_transform() -> None:
     )
 
 
-def check_no_forward_ad(q: torch.Tensor, kv: torch.Tensor) -> None:
+def check_no_forward_ad(*tensors: Optional[torch.Tensor]) -> None:
     """Refuses forward-mode AD (``torch.autograd.forward_ad`` dual tensors), which would
     otherwise return no tangent (read as zero): the op has a reverse-mode gradient only.
 
+    Args:
+        tensors: every differentiable input of the op (q, kv and attn_sink); None for an input
+            not given.
+
     Raises:
-        RuntimeError: when q or kv carries a tangent.
+        RuntimeError: when any of them carries a tangent.
     """
     if getattr(fwAD, "_current_level", 0) < 0:
         return  # no dual level is open (the common case)
     _check(
-        all(fwAD.unpack_dual(t).tangent is None for t in (q, kv)),
+        all(t is None or fwAD.unpack_dual(t).tangent is None for t in tensors),
         "forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported: the op has "
-        "a reverse-mode gradient only; use torch.autograd (loss.backward(), "
-        "torch.autograd.grad)",
+        "a reverse-mode gradient only (a tangent on q, kv or attn_sink); use torch.autograd "
+        "(loss.backward(), torch.autograd.grad)",
     )
