@@ -82,7 +82,8 @@ def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor] = None):
     """``(p, lse, p_sink)`` of scores ``s [c, H, topk]`` and an optional sink ``[H]``:
     ``p = exp(s - m) / total`` with ``m`` the row max (the sink included) and ``total`` the sum
     of ``exp(s - m)`` and ``exp(sink - m)``; 0 on rows whose scores (and sink) are all -inf.
-    ``lse = m + log(total)`` ``[c, H]`` (-inf on those rows; NaN where a score is NaN or +inf);
+    ``lse = m + log(total)`` ``[c, H]`` (-inf on those rows; NaN where a score is NaN or +inf,
+    or the sink is NaN; +inf for a +inf sink, whose rows get ``p = 0`` and ``p_sink = 1``);
     ``p_sink [c, H]`` the sink's probability (None without a sink)."""
     m = s.amax(dim=-1, keepdim=True)
     if sink is not None:
@@ -93,7 +94,9 @@ def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor] = None):
     total = e.sum(dim=-1, keepdim=True)
     e_sink = None
     if sink is not None:
-        e_sink = torch.exp(sink - m)
+        # A +inf sink is the max: exp(sink - m) is exp(inf - inf) = NaN, its value 1 (P_sink 1,
+        # every slot's P 0, lse +inf); a NaN sink stays NaN (in m: every output of the row).
+        e_sink = torch.where(sink == math.inf, 1.0, torch.exp(sink - m))
         total = total + e_sink
     safe = torch.where(total == 0, 1.0, total)
     p_sink = None if sink is None else (e_sink / safe).squeeze(-1)

@@ -173,7 +173,10 @@ def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, *
                        q_positions=q_positions, dlse=dlse, dpsum_out=dpsum)
     d_sink = None
     if attn_sink is not None:
-        p_sink = torch.exp(attn_sink.float()[None, :] - lse)  # the sink's probability per row
+        sink = attn_sink.float()[None, :]
+        # the sink's probability per row: 1 where it is lse (a +inf sink: exp(inf - inf) is
+        # NaN), 0 on a row without a valid slot and a -inf sink, NaN for a NaN sink
+        p_sink = torch.where(sink == lse, 1.0, torch.exp(sink - lse))
         p_sink = torch.where(torch.isneginf(lse), 0.0, p_sink)
         d_sink = -(p_sink * dpsum).sum(0)
     return dq, dkv_from_accum(dkv_accum, kv.dtype), d_sink
