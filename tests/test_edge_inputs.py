@@ -185,3 +185,86 @@ def test_a_nan_sink_is_not_hidden(backend, fp64_reference):
     ref_out, ref_lse = fp64_reference(q[:, heads], kv, idx, d_v=d_v, attn_sink=sink[heads])
     _close(out[:, heads], ref_out, gpu)
     _close(lse[:, heads], ref_lse, gpu)
+
+
+# -- the indexer target with a sink that takes nearly all the mass ---------------------------
+
+
+@pytest.mark.parametrize("sink_value", [100.0, 300.0])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_indexer_target_with_a_large_sink_matches_fp64(backend, sink_value):
+    """Every ``exp(s - lse)`` is near ``exp(-sink)``, below float32's normal range; the target
+    is normalised, so it must still be exact to float32 rounding."""
+    from test_indexer import SCALE, target_fp64
+
+    g = torch.Generator().manual_seed(3)
+    q, kv = torch.randn(5, 3, 16, generator=g), torch.randn(9, 16, generator=g)
+    idx = torch.randint(-1, 10, (5, 6), generator=g, dtype=torch.int32)
+    sink = torch.tensor([sink_value, sink_value - 3.0, 0.5])
+    with use_backend(backend):
+        _, lse = sparse_mla(q, kv, idx, d_v=8, sm_scale=SCALE, attn_sink=sink, return_lse=True)
+        target = mla_inductor.indexer_target(q, kv, idx, lse, sm_scale=SCALE, attn_sink=sink)
+    ref = target_fp64(q, kv, idx, sink=sink)
+    torch.testing.assert_close(target.double(), ref, atol=1e-6, rtol=1e-5)
+    # without the third head every head's terms are subnormal in float32
+    sink2 = sink[:2]
+    with use_backend(backend):
+        _, lse = sparse_mla(q[:, :2], kv, idx, d_v=8, sm_scale=SCALE, attn_sink=sink2,
+                            return_lse=True)
+        target = mla_inductor.indexer_target(q[:, :2], kv, idx, lse, sm_scale=SCALE,
+                                             attn_sink=sink2)
+    torch.testing.assert_close(target.double(), target_fp64(q[:, :2], kv, idx, sink=sink2),
+                               atol=1e-6, rtol=1e-5)
+
+
+def test_sm90_indexer_shift_keeps_the_kernels_terms_normal():
+    """The SM90 launcher's lse shift (``indexer_host.shifted_lse``) with the kernel's arithmetic
+    written out in float32 (``exp2(s * scale * log2 e - lse' * log2 e)``, summed over heads,
+    divided by the row sum) gives the fp64 target for a sink of 100, where the unshifted lse
+    loses bits to subnormals; the terms cannot overflow (each at most ``2**(126 - log2(topk
+    * tile_heads))``)."""
+    from test_indexer import SCALE, target_fp64
+
+    from mla_inductor.kernels.sm90.indexer_host import shifted_lse
+
+    g = torch.Generator().manual_seed(4)
+    q, kv = torch.randn(5, 2, 16, generator=g), torch.randn(9, 16, generator=g)
+    idx = torch.randint(0, 9, (5, 6), generator=g, dtype=torch.int32)
+    sink = torch.tensor([100.0, 97.0])
+    _, lse = sparse_mla(q, kv, idx, d_v=8, sm_scale=SCALE, attn_sink=sink, return_lse=True)
+    log2e = math.log2(math.e)
+    s = torch.einsum("thd,tkd->thk", q, kv[idx.long()]) * (SCALE * log2e)
+
+    def kernel_target(lse_in):
+        w = torch.exp2(s - (lse_in * log2e)[..., None]).sum(1)
+        return w / w.sum(-1, keepdim=True)
+
+    ref = target_fp64(q, kv, idx, sink=sink)
+    shifted = shifted_lse(lse, idx.shape[1], 64)
+    torch.testing.assert_close(kernel_target(shifted).double(), ref, atol=1e-6, rtol=1e-5)
+    assert (kernel_target(lse).double() - ref).abs().max() > 1e-5  # the flaw it removes
+    bound = 2.0 ** (126 - math.ceil(math.log2(6 * 64)))
+    huge = torch.full_like(lse, 1e4)  # lse far above every score: no overflow either
+    assert torch.isfinite(torch.exp2(s - (shifted_lse(huge, 6, 64) * log2e)[..., None])).all()
+    assert (torch.exp2(s - (shifted.clamp_min(0) * log2e)[..., None]) <= bound).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_indexer_target_with_a_large_sink_matches_fp64():
+    from test_indexer import SCALE, target_fp64
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(8, 16, 576, generator=g).bfloat16()
+    kv = torch.randn(40, 576, generator=g).bfloat16()
+    idx = torch.randint(-1, 41, (8, 64), generator=g, dtype=torch.int32)
+    sink = torch.full((16,), 100.0)
+    lse_ref = None
+    with use_backend("reference"):
+        _, lse_ref = sparse_mla(q.cuda(), kv.cuda(), idx.cuda(), sm_scale=SCALE,
+                                attn_sink=sink.cuda(), return_lse=True)
+    with use_backend("sm90"):
+        target = mla_inductor.indexer_target(q.cuda(), kv.cuda(), idx.cuda(), lse_ref,
+                                             sm_scale=SCALE, attn_sink=sink.cuda())
+    ref = target_fp64(q.float(), kv.float(), idx, sink=sink)
+    torch.testing.assert_close(target.double().cpu(), ref, atol=1e-4, rtol=1e-3)
