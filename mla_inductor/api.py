@@ -228,7 +228,8 @@ def indexer_kl_loss(
     2.1, sparse training stage).
 
     Per token ``t`` with valid slots ``V_t``: ``sum_{j in V_t} target[t, j] * (log target[t, j] -
-    log_softmax_{V_t}(indexer_logits[t])[j])``, ``0 * log 0 = 0``. Validity follows the rules of
+    log_softmax_{V_t}(indexer_logits[t])[j])``, ``0 * log 0 = 0`` (for the target's 0
+    and for a softmax of 0, a logit of -inf, alike). Validity follows the rules of
     :func:`sparse_mla` from ``indices``, ``kv_len``, ``topk_length``, ``causal`` and
     ``q_positions`` (pass the values of the :func:`indexer_target` call), not from the target,
     whose valid slots can be 0. Empty slots and rows without a valid slot contribute nothing and
@@ -248,7 +249,9 @@ def indexer_kl_loss(
 
     Raises:
         RuntimeError (messages start ``sparse_mla:``): shapes of logits, target and indices that
-        differ, non-integer indices, kv_len not a Python int (also at trace time).
+        differ, non-integer indices, kv_len not a Python int, a ``topk_length`` or
+        ``q_positions`` that :func:`sparse_mla` refuses (not ``[T]`` / ``[B, T]``, also a
+        broadcastable ``[1]`` or ``[B, 1]``; a wrong dtype or device), all also at trace time.
     """
     for name, t in (("indexer_logits", indexer_logits), ("target", target), ("indices", indices)):
         _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -265,6 +268,7 @@ def indexer_kl_loss(
     kv_len = _number("kv_len", kv_len, integral=True)
     _require(causal or q_positions is None,
              "q_positions is only read with causal=True; pass causal=True or drop q_positions")
+    _check_kl_lengths(indices, topk_length, q_positions)
     positions = None
     if causal:
         positions = layout.token_positions(indices.shape[-2], kv_len, indices, q_positions)
@@ -273,5 +277,44 @@ def indexer_kl_loss(
     logits = indexer_logits.float().masked_fill(~valid, -math.inf)
     log_p = torch.where(has_valid, logits, 0.0).log_softmax(-1)
     t = target.detach().float()
-    kl = torch.where(valid, torch.xlogy(t, t) - t * log_p, 0.0)
+    # A slot the target gives 0 adds 0 (0 * log 0 = 0 and 0 * log q = 0, also for q = 0 from a
+    # logit of -inf, where t * log_p would be NaN): it is left out with the empty slots.
+    kl = torch.where(valid & (t != 0), torch.xlogy(t, t) - t * log_p, 0.0)
     return kl.sum() / has_valid.sum().clamp_min(1)
+
+
+def _check_kl_lengths(indices: Tensor, topk_length: Optional[Tensor],
+                      q_positions: Optional[Tensor]) -> None:
+    """The checks and messages of :func:`sparse_mla` for ``topk_length`` (``[T]``, batched
+    ``[B, T]``: ``indices.shape[:-1]``; int32 or int64; on indices' device) and ``q_positions``
+    (``[T]``, batched ``[B, T]`` or ``[T]``; an integer dtype; on indices' device), for
+    :func:`indexer_kl_loss`, whose broadcasting would otherwise accept ``[1]`` or ``[B, 1]``
+    and turn a wrong length into torch's own error. Messages are formatted only on failure (the
+    sizes may be symbolic under ``torch.compile``)."""
+    lead = tuple(indices.shape[:-1])
+    batched = len(lead) > 1
+    if topk_length is not None:
+        shape, dtype = tuple(topk_length.shape), topk_length.dtype
+        if batched:
+            _require(shape == lead, lambda: f"batched topk_length must be [B, T] = "
+                     f"{list(lead)}, got shape {shape}")
+        else:
+            _require(shape == lead, lambda: f"topk_length must be [T] = {list(lead)}, got "
+                     f"shape {shape}")
+        _require(dtype in (torch.int32, torch.int64), lambda: f"topk_length must be int32 (the "
+                 f"sparse_mla API also takes int64), got {dtype}")
+        _require(topk_length.device == indices.device, lambda: f"topk_length on "
+                 f"{topk_length.device}, indices on {indices.device}")
+    if q_positions is not None:
+        shape, dtype = tuple(q_positions.shape), q_positions.dtype
+        if batched:
+            _require(shape == lead or shape == lead[-1:], lambda: f"batched q_positions must be "
+                     f"[B, T] = {list(lead)} or [T], got shape {shape}")
+        else:
+            _require(shape == lead, lambda: f"q_positions must be [T] = {list(lead)} (batched: "
+                     f"[B, T]), got shape {shape}")
+        _require(not q_positions.is_floating_point() and not q_positions.is_complex()
+                 and dtype != torch.bool,
+                 lambda: f"q_positions must be an integer tensor (int32 or int64), got {dtype}")
+        _require(q_positions.device == indices.device, lambda: f"q_positions on "
+                 f"{q_positions.device}, indices on {indices.device}")

@@ -268,3 +268,70 @@ def test_sm90_indexer_target_with_a_large_sink_matches_fp64():
                                              sm_scale=SCALE, attn_sink=sink.cuda())
     ref = target_fp64(q.float(), kv.float(), idx, sink=sink)
     torch.testing.assert_close(target.double().cpu(), ref, atol=1e-4, rtol=1e-3)
+
+
+# -- the indexer KL loss: a -inf logit under a target of 0; its optional inputs' checks --------
+
+
+def test_kl_term_of_a_zero_target_and_a_minus_inf_logit_is_zero():
+    logits = torch.tensor([[-math.inf, 0.3, -1.0, 2.0], [0.1, -math.inf, -math.inf, 0.0]],
+                          requires_grad=True)
+    target = torch.tensor([[0.0, 0.2, 0.3, 0.5], [0.6, 0.0, 0.0, 0.4]])
+    indices = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0]])
+    loss = indexer_kl_loss(logits, target, indices, kv_len=4)
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    assert loss.item() == pytest.approx(_kl_fp64(logits.detach(), target, valid), rel=1e-6)
+    (grad,) = torch.autograd.grad(loss, logits)
+    assert torch.isfinite(grad).all()
+    # d/dlogit_j = (softmax_j - target_j) / rows, 0 on the -inf slots (softmax and target 0)
+    expected = (torch.softmax(logits.detach().double(), -1) - target.double()) / 2
+    torch.testing.assert_close(grad.double(), expected, atol=1e-7, rtol=1e-6)
+
+
+def _kl_inputs(lead):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(*lead, 4, generator=g), torch.rand(*lead, 4, generator=g),
+            torch.randint(0, 6, (*lead, 4), generator=g))
+
+
+@pytest.mark.parametrize(("lead", "name", "value", "message"), [
+    ((5,), "topk_length", torch.full((1,), 2), r"topk_length must be \[T\] = \[5\], got shape \(1,\)"),
+    ((5,), "topk_length", torch.full((4,), 2), r"topk_length must be \[T\] = \[5\], got shape \(4,\)"),
+    ((2, 5), "topk_length", torch.full((5,), 2), r"batched topk_length must be \[B, T\] = \[2, 5\]"),
+    ((2, 5), "topk_length", torch.full((2, 1), 2), r"batched topk_length must be \[B, T\] = \[2, 5\]"),
+    ((5,), "topk_length", torch.full((5,), 2, dtype=torch.int16), r"topk_length must be int32"),
+    ((5,), "topk_length", torch.full((5,), 2.0), r"topk_length must be int32"),
+    ((5,), "q_positions", torch.arange(1), r"q_positions must be \[T\] = \[5\] \(batched: \[B, T\]\)"),
+    ((5,), "q_positions", torch.arange(6), r"q_positions must be \[T\] = \[5\]"),
+    ((2, 5), "q_positions", torch.zeros(2, 1, dtype=torch.long), r"batched q_positions must be \[B, T\] = \[2, 5\] or \[T\]"),
+    ((2, 5), "q_positions", torch.zeros(1, dtype=torch.long), r"batched q_positions must be"),
+    ((5,), "q_positions", torch.zeros(5), r"q_positions must be an integer tensor"),
+])
+def test_kl_loss_checks_topk_length_and_q_positions_as_sparse_mla(lead, name, value, message):
+    logits, target, indices = _kl_inputs(lead)
+    kw = {name: value, "causal": name == "q_positions"}
+    with pytest.raises(RuntimeError, match=r"^sparse_mla: " + message):
+        indexer_kl_loss(logits, target, indices, kv_len=6, **kw)
+    fn = torch.compile(indexer_kl_loss, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=message.split(" = ")[0]):  # sizes may be symbols
+        fn(logits, target, indices, kv_len=6, **kw)
+
+
+@pytest.mark.parametrize(("lead", "name", "value"), [
+    ((5,), "topk_length", torch.full((5,), 1, dtype=torch.int32)),
+    ((2, 5), "topk_length", torch.full((2, 5), 1, dtype=torch.int64)),
+    ((2, 5), "q_positions", torch.arange(5)),
+    ((2, 5), "q_positions", torch.arange(10).view(2, 5).int()),
+])
+def test_kl_loss_takes_what_sparse_mla_takes(lead, name, value):
+    logits, target, indices = _kl_inputs(lead)
+    kw = {name: value, "causal": name == "q_positions"}
+    got = indexer_kl_loss(logits, target, indices, kv_len=6, **kw)
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    valid = (indices >= 0) & (indices < 6)
+    if name == "topk_length":
+        valid &= torch.arange(4) < value[..., None]
+    else:
+        valid &= indices <= value.expand(lead)[..., None]
+    assert got.item() == pytest.approx(_kl_fp64(flat(logits), flat(target), flat(valid)),
+                                       rel=1e-6)
