@@ -335,3 +335,84 @@ def test_kl_loss_takes_what_sparse_mla_takes(lead, name, value):
         valid &= indices <= value.expand(lead)[..., None]
     assert got.item() == pytest.approx(_kl_fp64(flat(logits), flat(target), flat(valid)),
                                        rel=1e-6)
+
+
+# -- torch.use_deterministic_algorithms --------------------------------------------------------
+
+
+@pytest.fixture
+def deterministic():
+    def set_mode(on, warn_only=False):
+        torch.use_deterministic_algorithms(on, warn_only=warn_only)
+
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    yield set_mode
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+STANDARD = (r"^sparse_mla: the {} backward does not have a deterministic implementation .*but "
+            r"you set 'torch.use_deterministic_algorithms\(True\)'")
+
+
+@pytest.mark.parametrize("name", ["sm90", "sm100"])
+def test_atomic_backwards_raise_under_deterministic_mode(name, deterministic):
+    from mla_inductor import backends
+
+    backends.check_deterministic(name, "backward")  # mode off: nothing
+    deterministic(True)
+    with pytest.raises(RuntimeError, match=STANDARD.format(name)):
+        backends.check_deterministic(name, "backward")
+    backends.check_deterministic(name, "forward")
+    backends.check_deterministic("reference", "backward")
+    deterministic(True, warn_only=True)
+    with pytest.warns(UserWarning, match=STANDARD.format(name)):
+        backends.check_deterministic(name, "backward")
+
+
+def test_auto_on_sm90_raises_in_the_backward_under_deterministic_mode(fake_gpu, monkeypatch,
+                                                                      deterministic):
+    from mla_inductor import backends
+    from mla_inductor.kernels import sm90
+
+    fake_gpu((9, 0))
+    monkeypatch.setattr(sm90, "available", lambda: (True, ""))
+    dims = (4, 16, 8, 576, 512, frozenset())
+    cuda = torch.device("cuda", 0)
+    deterministic(True)
+    assert backends.select(cuda, torch.bfloat16, "forward", dims) is sm90
+    with pytest.raises(RuntimeError, match=STANDARD.format("sm90")):
+        backends.select(cuda, torch.bfloat16, "backward", dims)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_the_cpu_backends_are_deterministic(backend, deterministic):
+    """Under the switch the CPU backward runs, and two runs are bitwise equal (duplicated
+    indices included: dkv's index_add_ is deterministic on a CPU)."""
+    deterministic(True)
+    q, kv, idx = random_inputs(8, 4, 32, 6, 12, dtype=torch.float32, seed=2)
+    sink = torch.randn(4)
+
+    def run():
+        args = [t.clone().requires_grad_() for t in (q, kv, sink)]
+        with use_backend(backend):
+            out, lse = sparse_mla(args[0], args[1], idx, d_v=16, attn_sink=args[2],
+                                  return_lse=True)
+            (out.square().sum() + lse.sum()).backward()
+        return [out.detach(), lse.detach()] + [a.grad for a in args]
+
+    first, second = run(), run()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sm90_backward_raises_under_deterministic_mode(deterministic):
+    q, kv, idx = random_inputs(4, 16, 576, 32, 64, device="cuda")
+    q.requires_grad_()
+    deterministic(True)
+    with use_backend("sm90"):
+        out = sparse_mla(q, kv, idx)  # the forward is deterministic
+        with pytest.raises(RuntimeError, match=STANDARD.format("sm90")):
+            out.float().sum().backward()
