@@ -141,17 +141,36 @@ def sparse_mla(
     if rescale_threshold is not None:
         rescale_threshold = _number("rescale_threshold", rescale_threshold)
     out, lse, max_logits = torch.ops.mla_inductor.sparse_mla(
-        q, kv, indices, topk_length, q_positions, attn_sink, bool(causal), sm_scale,
-        _number("d_v", d_v, integral=True), rescale_threshold, bool(return_max_logits),
+        q, kv, indices, topk_length, q_positions, attn_sink, _flag("causal", causal), sm_scale,
+        _number("d_v", d_v, integral=True), rescale_threshold,
+        _flag("return_max_logits", return_max_logits),
     )
+    return_lse, return_max_logits = _flag("return_lse", return_lse), bool(return_max_logits)
     extra = ((lse,) if return_lse else ()) + ((max_logits,) if return_max_logits else ())
     return (out, *extra) if extra else out
 
 
 def _sm_scale(q: Tensor, sm_scale) -> float:
+    """sm_scale as a Python float (``d_qk ** -0.5`` for None); refuses a tensor, a non-number
+    and a NaN or infinite value (which would turn every score into NaN or +-inf)."""
     if sm_scale is None:
         return (q.shape[-1] if q.dim() else 1) ** -0.5
-    return _number("sm_scale", sm_scale)
+    sm_scale = _number("sm_scale", sm_scale)
+    if isinstance(sm_scale, float):
+        _require(math.isfinite(sm_scale), lambda: f"sm_scale must be finite, got {sm_scale}")
+    return sm_scale
+
+
+def _flag(name: str, value) -> bool:
+    """``value`` as the Python bool the op's schema takes. A tensor, even a 0-d one, is refused
+    in eager and compiled code alike (as for sm_scale): under torch.compile its value is not
+    known while tracing, and it decides what the op computes."""
+    if isinstance(value, Tensor):
+        raise RuntimeError(
+            f"sparse_mla: {name} must be a Python bool, got a {value.dim()}-d tensor; pass "
+            f"{name}=bool(t) (or t.item()) outside the compiled region"
+        )
+    return bool(value)
 
 
 def indexer_target(
@@ -208,7 +227,7 @@ def indexer_target(
         _require(t is None or isinstance(t, Tensor),
                  f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     return torch.ops.mla_inductor.indexer_target_entry(
-        q, kv, indices, lse, topk_length, q_positions, attn_sink, bool(causal),
+        q, kv, indices, lse, topk_length, q_positions, attn_sink, _flag("causal", causal),
         _sm_scale(q, sm_scale),
     )
 
@@ -266,6 +285,7 @@ def indexer_kl_loss(
         f"{tuple(indices.shape)}",
     )
     kv_len = _number("kv_len", kv_len, integral=True)
+    causal = _flag("causal", causal)
     _require(causal or q_positions is None,
              "q_positions is only read with causal=True; pass causal=True or drop q_positions")
     _check_kl_lengths(indices, topk_length, q_positions)

@@ -233,6 +233,17 @@ def check_rescale_threshold(rescale_threshold: float, dtype: torch.dtype) -> Non
     )
 
 
+def check_sm_scale(sm_scale: float) -> None:
+    """Checks that ``sm_scale`` is finite (a NaN or infinite scale turns every score into NaN or
+    +-inf). A symbolic value is not checked.
+
+    Raises:
+        RuntimeError: for NaN or +-inf.
+    """
+    if isinstance(sm_scale, float):
+        _check(math.isfinite(sm_scale), f"sm_scale must be finite, got {sm_scale}")
+
+
 def check_batched_inputs(
     q: torch.Tensor,
     kv: torch.Tensor,

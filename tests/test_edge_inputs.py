@@ -416,3 +416,62 @@ def test_sm90_backward_raises_under_deterministic_mode(deterministic):
         out = sparse_mla(q, kv, idx)  # the forward is deterministic
         with pytest.raises(RuntimeError, match=STANDARD.format("sm90")):
             out.float().sum().backward()
+
+
+# -- flags given as tensors; a non-finite sm_scale ----------------------------------------------
+
+
+def _small():
+    q, kv, idx = random_inputs(4, 2, 16, 12, 5, dtype=torch.float32, seed=7)
+    _, lse = sparse_mla(q, kv, idx, d_v=8, return_lse=True)
+    return q, kv, idx, lse
+
+
+FLAG_CALLS = {
+    "sparse_mla causal": lambda q, kv, idx, lse, f: sparse_mla(q, kv, idx, d_v=8, causal=f),
+    "sparse_mla return_lse": lambda q, kv, idx, lse, f: sparse_mla(q, kv, idx, d_v=8,
+                                                                   return_lse=f),
+    "sparse_mla return_max_logits": lambda q, kv, idx, lse, f: sparse_mla(
+        q, kv, idx, d_v=8, return_max_logits=f),
+    "indexer_target causal": lambda q, kv, idx, lse, f: mla_inductor.indexer_target(
+        q, kv, idx, lse, causal=f),
+    "indexer_kl_loss causal": lambda q, kv, idx, lse, f: indexer_kl_loss(
+        idx.float(), idx.float(), idx, kv_len=12, causal=f),
+}
+
+
+@pytest.mark.parametrize("call", list(FLAG_CALLS))
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_flag_given_as_a_tensor_is_refused(call, compiled):
+    name = call.split()[1]
+    fn = FLAG_CALLS[call]
+    if compiled:
+        fn = torch.compile(fn, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=rf"sparse_mla: {name} must be a Python bool, got a "
+                                        r"0-d tensor"):
+        fn(*_small(), torch.tensor(True))
+
+
+SCALE_CALLS = {
+    "sparse_mla": lambda q, kv, idx, lse, s: sparse_mla(q, kv, idx, d_v=8, sm_scale=s),
+    "indexer_target": lambda q, kv, idx, lse, s: mla_inductor.indexer_target(q, kv, idx, lse,
+                                                                             sm_scale=s),
+    "sparse_mla_fwd": lambda q, kv, idx, lse, s: torch.ops.mla_inductor.sparse_mla_fwd(
+        q, kv, idx, None, None, None, s, 8, 0.0, False, False),
+    "sparse_mla_bwd": lambda q, kv, idx, lse, s: torch.ops.mla_inductor.sparse_mla_bwd(
+        q.new_zeros(4, 2, 8), None, q, kv, idx, None, None, None, q.new_zeros(4, 2, 8), lse,
+        q.new_empty(0), s, 8),
+    "indexer_target op": lambda q, kv, idx, lse, s: torch.ops.mla_inductor.indexer_target(
+        q, kv, idx, None, None, None, lse, s),
+}
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("call", list(SCALE_CALLS))
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_non_finite_sm_scale_is_refused(call, value, compiled):
+    fn = SCALE_CALLS[call]
+    if compiled:
+        fn = torch.compile(fn, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"sparse_mla: sm_scale must be finite, got"):
+        fn(*_small(), value)
