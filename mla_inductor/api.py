@@ -79,7 +79,8 @@ def sparse_mla(
             Same dtype as q.
         indices: ``[T, topk]`` or ``[T, 1, topk]``; batched ``[B, T, topk]`` with indices local to
             each batch element. int32 (int64 accepted). An index < 0 or >= S is an empty slot:
-            never read, contributes nothing. Duplicates count once per occurrence.
+            never read, contributes nothing. Duplicates count once per occurrence. ``topk`` may
+            be 0: every row is one without a valid slot.
         sm_scale: softmax scale, a Python float (not a tensor); defaults to ``d_qk ** -0.5``.
         d_v: value width, a Python int ``<= d_qk``; default 512 (DeepSeek V3.2, d_qk = 576).
         topk_length: optional int32 ``[T]`` (batched ``[B, T]``; int64 accepted); slots at

@@ -95,7 +95,6 @@ def check_forward_inputs(
         indices.shape[0] == q.shape[0],
         f"token count mismatch: q has T={q.shape[0]}, indices has T={indices.shape[0]}",
     )
-    _check(indices.shape[1] >= 1, "indices must have topk >= 1 slots")
     _check(
         kv.device == q.device and indices.device == q.device,
         f"tensors on different devices: q {q.device}, kv {kv.device}, indices {indices.device}",

@@ -475,3 +475,57 @@ def test_a_non_finite_sm_scale_is_refused(call, value, compiled):
         fn = torch.compile(fn, backend="eager", fullgraph=True)
     with pytest.raises(Exception, match=r"sparse_mla: sm_scale must be finite, got"):
         fn(*_small(), value)
+
+
+# -- a zero-width selection (topk = 0) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("backend", backend_params())
+def test_topk_zero_is_a_row_without_a_valid_slot(backend, batched):
+    """``indices [T, 0]``: out 0, lse the sink (-inf without one), zero gradients for q and kv,
+    ``d_sink = sum_t dlse`` (P_sink 1, dpsum 0); the target is ``[T, 0]`` and the KL 0 with a
+    zero gradient. As for S = 0."""
+    gpu = backend in ("sm90", "sm100")
+    d_qk, d_v = (576, 512) if gpu else (16, 8)
+    dtype, device = (torch.bfloat16, "cuda") if gpu else (torch.float32, "cpu")
+    lead = (2, 3) if batched else (3,)
+    q = torch.randn(*lead, 4, d_qk, device=device).to(dtype).requires_grad_()
+    kv = torch.randn(*lead[:-1], 10, d_qk, device=device).to(dtype).requires_grad_()
+    idx = torch.zeros(*lead, 0, dtype=torch.int32, device=device)
+    use_sink = backend != "sm100"  # FA4's adapter maps no sink
+    sink = torch.randn(4, device=device).requires_grad_() if use_sink else None
+    dlse = torch.randn(*lead, 4, device=device)
+    with use_backend(backend):
+        out, lse = sparse_mla(q, kv, idx, d_v=d_v, attn_sink=sink, return_lse=True)
+        grads = torch.autograd.grad(
+            (out, lse) if use_sink else (out,), [q, kv] + ([sink] if use_sink else []),
+            (torch.ones_like(out), dlse) if use_sink else (torch.ones_like(out),))
+    assert out.shape == (*lead, 4, d_v) and torch.all(out == 0)
+    expected_lse = sink.detach().expand_as(lse) if use_sink else torch.full_like(lse, -math.inf)
+    assert torch.equal(lse, expected_lse)
+    assert torch.all(grads[0] == 0) and torch.all(grads[1] == 0)
+    if use_sink:
+        torch.testing.assert_close(grads[2], dlse.reshape(-1, 4).sum(0))
+    with use_backend(backend):
+        target = mla_inductor.indexer_target(q, kv, idx, lse, attn_sink=sink)
+    assert target.shape == (*lead, 0) and target.dtype == torch.float32
+    logits = torch.zeros(*lead, 0, device=device, requires_grad=True)
+    loss = indexer_kl_loss(logits, target, idx, kv_len=10, causal=True)
+    assert loss.item() == 0.0
+    (g,) = torch.autograd.grad(loss, logits)
+    assert g.shape == logits.shape
+
+
+def test_topk_zero_compiles(fp64_reference):
+    def step(q, kv, idx, sink):
+        out, lse = sparse_mla(q, kv, idx, d_v=8, attn_sink=sink, return_lse=True)
+        return out.sum() + lse.sum()
+
+    q = torch.randn(3, 2, 16, requires_grad=True)
+    sink = torch.randn(2, requires_grad=True)
+    loss = torch.compile(step, backend="aot_eager", fullgraph=True)(
+        q, torch.randn(10, 16), torch.zeros(3, 0, dtype=torch.int32), sink)
+    loss.backward()
+    assert loss.item() == pytest.approx(3 * sink.sum().item(), rel=1e-6)
+    assert torch.all(q.grad == 0) and torch.allclose(sink.grad, torch.full((2,), 3.0))

@@ -120,7 +120,7 @@ def forward(
     o_lo = q.new_zeros((T, H, d_v) if return_o_lo else (0,))
     max_logits = q.new_full((T, H) if return_max_logits else (0,), -math.inf, dtype=torch.float32)
     sink2 = None if attn_sink is None else attn_sink.float() * _LOG2E  # [H], log2 units
-    if S == 0 or T == 0:
+    if S == 0 or T == 0 or indices.shape[1] == 0:
         if attn_sink is not None:
             lse.copy_(attn_sink.float().expand(T, H))
         return out, lse, o_lo, max_logits

@@ -214,7 +214,7 @@ def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_
     T, H, d_qk = q.shape
     S = kv.shape[0]
     target = q.new_zeros(indices.shape, dtype=torch.float32)
-    if S == 0:
+    if S == 0 or indices.shape[1] == 0:
         return target
     for t0, t1 in _chunks(T, indices.shape[1], d_qk, H):
         valid = valid_slots(indices[t0:t1], _chunk(topk_length, t0, t1), S,

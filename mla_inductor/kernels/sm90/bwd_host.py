@@ -141,6 +141,10 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or H == 0:
         return dq
+    if indices.shape[1] == 0:  # no slot: zero gradients without a launch; dpsum is 0
+        if dpsum_out is not None:
+            dpsum_out.copy_(-dlse if dlse is not None else torch.zeros_like(dpsum_out))
+        return dq.zero_()
     tlen, qpos = int32_contiguous(topk_length), int32_contiguous(q_positions)
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     has_o_lo = o_lo.numel() > 0
