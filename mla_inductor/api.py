@@ -19,20 +19,27 @@ from .kernels.reference import valid_slots
 from . import lightning_scores  # noqa: F401  (registers torch.ops.mla_inductor.lightning_*)
 
 
-def _require(cond: bool, message: str) -> None:
+def _require(cond: bool, message) -> None:
     """A check of the Python argument types, which the op's schema needs before it can be called
     (a plain raise; under torch.compile Dynamo reports it as an observed exception). Layouts,
     shapes and dtypes are checked by the entry op (:mod:`mla_inductor.validation`), whose
-    messages come first in the error at trace time."""
+    messages come first in the error at trace time. ``message`` is a string or, where it formats
+    a value that may be symbolic under ``torch.compile`` (a size, a Python int argument), a
+    function returning one, called only on failure (Dynamo cannot trace the formatting of a
+    symbolic value, and must not see a size turned into a constant)."""
     if not cond:
-        raise RuntimeError(f"sparse_mla: {message}")
+        raise RuntimeError(f"sparse_mla: {message if isinstance(message, str) else message()}")
 
 
 def _number(name: str, value, integral: bool = False):
     """``value`` as the Python number the op's schema takes (``int`` if ``integral``, else
-    ``float``); torch's symbolic numbers pass through. A tensor, even a 0-d one, is refused in
-    eager and compiled code alike: under torch.compile its value is not known while tracing, and
-    the op needs it then (it is a compile-time constant of the kernels)."""
+    ``float``); a Python ``int`` (``float``) and torch's symbolic numbers pass through unchanged,
+    so that a size that ``torch.compile`` traces as a symbol (a Python int argument under
+    ``dynamic=True``, ``kv.shape[0]`` of a dynamic dimension) stays symbolic: one graph for every
+    value, no specialisation. Under Dynamo such a symbol is seen as an ``int`` (not a
+    ``torch.SymInt``), so it is neither cast nor formatted here. A tensor, even a 0-d one, is
+    refused in eager and compiled code alike: under torch.compile its value is not known while
+    tracing, and the op needs it then (it is a compile-time constant of the kernels)."""
     kind = "int" if integral else "float"
     if isinstance(value, Tensor):
         raise RuntimeError(
@@ -42,7 +49,10 @@ def _number(name: str, value, integral: bool = False):
     if isinstance(value, (torch.SymInt, torch.SymFloat)):
         return value
     ok = isinstance(value, numbers.Integral if integral else numbers.Real)
-    _require(ok and not isinstance(value, bool), f"{name} must be a Python {kind}, got {value!r}")
+    _require(ok and not isinstance(value, bool),
+             lambda: f"{name} must be a Python {kind}, got {value!r}")
+    if isinstance(value, int if integral else float):
+        return value
     return int(value) if integral else float(value)
 
 
@@ -73,7 +83,8 @@ def sparse_mla(
             Same dtype as q.
         indices: ``[T, topk]`` or ``[T, 1, topk]``; batched ``[B, T, topk]`` with indices local to
             each batch element. int32 (int64 accepted). An index < 0 or >= S is an empty slot:
-            never read, contributes nothing. Duplicates count once per occurrence.
+            never read, contributes nothing. Duplicates count once per occurrence. ``topk`` may
+            be 0: every row is one without a valid slot.
         sm_scale: softmax scale, a Python float (not a tensor); defaults to ``d_qk ** -0.5``.
         d_v: value width, a Python int ``<= d_qk``; default 512 (DeepSeek V3.2, d_qk = 576).
         topk_length: optional int32 ``[T]`` (batched ``[B, T]``; int64 accepted); slots at
@@ -135,17 +146,36 @@ def sparse_mla(
     if rescale_threshold is not None:
         rescale_threshold = _number("rescale_threshold", rescale_threshold)
     out, lse, max_logits = torch.ops.mla_inductor.sparse_mla(
-        q, kv, indices, topk_length, q_positions, attn_sink, bool(causal), sm_scale,
-        _number("d_v", d_v, integral=True), rescale_threshold, bool(return_max_logits),
+        q, kv, indices, topk_length, q_positions, attn_sink, _flag("causal", causal), sm_scale,
+        _number("d_v", d_v, integral=True), rescale_threshold,
+        _flag("return_max_logits", return_max_logits),
     )
+    return_lse, return_max_logits = _flag("return_lse", return_lse), bool(return_max_logits)
     extra = ((lse,) if return_lse else ()) + ((max_logits,) if return_max_logits else ())
     return (out, *extra) if extra else out
 
 
 def _sm_scale(q: Tensor, sm_scale) -> float:
+    """sm_scale as a Python float (``d_qk ** -0.5`` for None); refuses a tensor, a non-number
+    and a NaN or infinite value (which would turn every score into NaN or +-inf)."""
     if sm_scale is None:
         return (q.shape[-1] if q.dim() else 1) ** -0.5
-    return _number("sm_scale", sm_scale)
+    sm_scale = _number("sm_scale", sm_scale)
+    if isinstance(sm_scale, float):
+        _require(math.isfinite(sm_scale), lambda: f"sm_scale must be finite, got {sm_scale}")
+    return sm_scale
+
+
+def _flag(name: str, value) -> bool:
+    """``value`` as the Python bool the op's schema takes. A tensor, even a 0-d one, is refused
+    in eager and compiled code alike (as for sm_scale): under torch.compile its value is not
+    known while tracing, and it decides what the op computes."""
+    if isinstance(value, Tensor):
+        raise RuntimeError(
+            f"sparse_mla: {name} must be a Python bool, got a {value.dim()}-d tensor; pass "
+            f"{name}=bool(t) (or t.item()) outside the compiled region"
+        )
+    return bool(value)
 
 
 def indexer_target(
@@ -202,7 +232,7 @@ def indexer_target(
         _require(t is None or isinstance(t, Tensor),
                  f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     return torch.ops.mla_inductor.indexer_target_entry(
-        q, kv, indices, lse, topk_length, q_positions, attn_sink, bool(causal),
+        q, kv, indices, lse, topk_length, q_positions, attn_sink, _flag("causal", causal),
         _sm_scale(q, sm_scale),
     )
 
@@ -222,7 +252,8 @@ def indexer_kl_loss(
     2.1, sparse training stage).
 
     Per token ``t`` with valid slots ``V_t``: ``sum_{j in V_t} target[t, j] * (log target[t, j] -
-    log_softmax_{V_t}(indexer_logits[t])[j])``, ``0 * log 0 = 0``. Validity follows the rules of
+    log_softmax_{V_t}(indexer_logits[t])[j])``, ``0 * log 0 = 0`` (for the target's 0
+    and for a softmax of 0, a logit of -inf, alike). Validity follows the rules of
     :func:`sparse_mla` from ``indices``, ``kv_len``, ``topk_length``, ``causal`` and
     ``q_positions`` (pass the values of the :func:`indexer_target` call), not from the target,
     whose valid slots can be 0. Empty slots and rows without a valid slot contribute nothing and
@@ -242,23 +273,27 @@ def indexer_kl_loss(
 
     Raises:
         RuntimeError (messages start ``sparse_mla:``): shapes of logits, target and indices that
-        differ, non-integer indices, kv_len not a Python int (also at trace time).
+        differ, non-integer indices, kv_len not a Python int, a ``topk_length`` or
+        ``q_positions`` that :func:`sparse_mla` refuses (not ``[T]`` / ``[B, T]``, also a
+        broadcastable ``[1]`` or ``[B, 1]``; a wrong dtype or device), all also at trace time.
     """
     for name, t in (("indexer_logits", indexer_logits), ("target", target), ("indices", indices)):
         _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
     _require(
         indexer_logits.shape == target.shape and indices.shape == target.shape,
-        f"indexer_kl_loss needs indexer_logits, target and indices of one shape [.., T, topk], "
+        lambda: f"indexer_kl_loss needs indexer_logits, target and indices of one shape [.., T, topk], "
         f"got {tuple(indexer_logits.shape)}, {tuple(target.shape)}, {tuple(indices.shape)}",
     )
     _require(
         not indices.is_floating_point() and indices.dtype != torch.bool and indices.dim() >= 2,
-        f"indices must be an integer tensor [.., T, topk], got {indices.dtype} "
+        lambda: f"indices must be an integer tensor [.., T, topk], got {indices.dtype} "
         f"{tuple(indices.shape)}",
     )
     kv_len = _number("kv_len", kv_len, integral=True)
+    causal = _flag("causal", causal)
     _require(causal or q_positions is None,
              "q_positions is only read with causal=True; pass causal=True or drop q_positions")
+    _check_kl_lengths(indices, topk_length, q_positions)
     positions = None
     if causal:
         positions = layout.token_positions(indices.shape[-2], kv_len, indices, q_positions)
@@ -267,7 +302,9 @@ def indexer_kl_loss(
     logits = indexer_logits.float().masked_fill(~valid, -math.inf)
     log_p = torch.where(has_valid, logits, 0.0).log_softmax(-1)
     t = target.detach().float()
-    kl = torch.where(valid, torch.xlogy(t, t) - t * log_p, 0.0)
+    # A slot the target gives 0 adds 0 (0 * log 0 = 0 and 0 * log q = 0, also for q = 0 from a
+    # logit of -inf, where t * log_p would be NaN): it is left out with the empty slots.
+    kl = torch.where(valid & (t != 0), torch.xlogy(t, t) - t * log_p, 0.0)
     return kl.sum() / has_valid.sum().clamp_min(1)
 
 
@@ -350,6 +387,8 @@ def _require_lightning(cond: bool, message: str) -> None:
     """:func:`_require` for :func:`lightning_indexer`'s argument types."""
     if not cond:
         raise RuntimeError(f"lightning_indexer: {message}")
+
+
 def lightning_indexer_scores(q: Tensor, k: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
     """The lightning indexer's scores of the selected keys, differentiable in q, k and weights:
     the logits of DSA's indexer loss (:func:`indexer_kl_loss`).
@@ -392,3 +431,40 @@ def lightning_indexer_scores(q: Tensor, k: Tensor, weights: Tensor, indices: Ten
             raise RuntimeError(f"lightning_indexer_scores: {name} must be a torch.Tensor, got "
                                f"{type(t).__name__}")
     return torch.ops.mla_inductor.lightning_indexer_scores_entry(q, k, weights, indices)
+
+
+def _check_kl_lengths(indices: Tensor, topk_length: Optional[Tensor],
+                      q_positions: Optional[Tensor]) -> None:
+    """The checks and messages of :func:`sparse_mla` for ``topk_length`` (``[T]``, batched
+    ``[B, T]``: ``indices.shape[:-1]``; int32 or int64; on indices' device) and ``q_positions``
+    (``[T]``, batched ``[B, T]`` or ``[T]``; an integer dtype; on indices' device), for
+    :func:`indexer_kl_loss`, whose broadcasting would otherwise accept ``[1]`` or ``[B, 1]``
+    and turn a wrong length into torch's own error. Messages are formatted only on failure (the
+    sizes may be symbolic under ``torch.compile``)."""
+    lead = tuple(indices.shape[:-1])
+    batched = len(lead) > 1
+    if topk_length is not None:
+        shape, dtype = tuple(topk_length.shape), topk_length.dtype
+        if batched:
+            _require(shape == lead, lambda: f"batched topk_length must be [B, T] = "
+                     f"{list(lead)}, got shape {shape}")
+        else:
+            _require(shape == lead, lambda: f"topk_length must be [T] = {list(lead)}, got "
+                     f"shape {shape}")
+        _require(dtype in (torch.int32, torch.int64), lambda: f"topk_length must be int32 (the "
+                 f"sparse_mla API also takes int64), got {dtype}")
+        _require(topk_length.device == indices.device, lambda: f"topk_length on "
+                 f"{topk_length.device}, indices on {indices.device}")
+    if q_positions is not None:
+        shape, dtype = tuple(q_positions.shape), q_positions.dtype
+        if batched:
+            _require(shape == lead or shape == lead[-1:], lambda: f"batched q_positions must be "
+                     f"[B, T] = {list(lead)} or [T], got shape {shape}")
+        else:
+            _require(shape == lead, lambda: f"q_positions must be [T] = {list(lead)} (batched: "
+                     f"[B, T]), got shape {shape}")
+        _require(not q_positions.is_floating_point() and not q_positions.is_complex()
+                 and dtype != torch.bool,
+                 lambda: f"q_positions must be an integer tensor (int32 or int64), got {dtype}")
+        _require(q_positions.device == indices.device, lambda: f"q_positions on "
+                 f"{q_positions.device}, indices on {indices.device}")

@@ -131,7 +131,10 @@ def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims) -> Mod
         ok, reason = False, f"the {arch} backend has no {direction} kernel yet"
     if ok:
         ok, reason = _supports(candidate, dtype, direction, dims)
-    return candidate if ok else _fall_back(direction, reason)
+    if not ok:
+        return _fall_back(direction, reason)
+    check_deterministic(arch, direction)
+    return candidate
 
 
 def _op(direction: str) -> str:
@@ -158,7 +161,8 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) 
 
     Raises:
         RuntimeError: when the requested backend cannot run here; the message names what is
-            missing.
+            missing; or when it is not deterministic for ``direction`` and
+            ``torch.use_deterministic_algorithms(True)`` is set (:func:`check_deterministic`).
     """
     name = requested()
     if name == "auto":
@@ -188,4 +192,41 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) 
         return module("reference")
     if not hasattr(chosen, direction):
         return _fall_back(direction, f"the {name} backend has no {direction} kernel yet")
+    check_deterministic(name, direction)
     return chosen
+
+
+# The (backend, direction) pairs whose results may differ from run to run, and why. A
+# deterministic path for one of them removes its entry.
+NONDETERMINISTIC = {
+    ("sm90", "backward"): "dkv is accumulated with float32 atomic adds",
+    ("sm100", "backward"): "FlashAttention-4's sparse backward accumulates dkv with float32 "
+                           "atomic adds",
+}
+
+
+def check_deterministic(name: str, direction: str) -> None:
+    """PyTorch's rule for an op without a deterministic implementation, for the backend ``name``
+    running ``direction``: under ``torch.use_deterministic_algorithms(True)`` it raises (with
+    ``warn_only=True`` it warns) in PyTorch's wording; otherwise, or for a pair that is not in
+    :data:`NONDETERMINISTIC` (the reference and emulate backends, every forward, the indexer
+    target), it does nothing.
+
+    Raises:
+        RuntimeError: the pair is non-deterministic and deterministic algorithms are on (not
+            warn-only).
+    """
+    reason = NONDETERMINISTIC.get((name, direction))
+    if reason is None or not torch.are_deterministic_algorithms_enabled():
+        return
+    message = (
+        f"sparse_mla: the {name} {direction} does not have a deterministic implementation "
+        f"({reason}), but you set 'torch.use_deterministic_algorithms(True)'. You can turn off "
+        "determinism just for this operation, or you can use the 'warn_only=True' option, if "
+        "that's acceptable for your application. The reference backend "
+        "(mla_inductor.use_backend('reference')) is deterministic."
+    )
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        warnings.warn(message, stacklevel=3)
+        return
+    raise RuntimeError(message)

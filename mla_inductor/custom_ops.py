@@ -40,6 +40,7 @@ from .validation import (
     check_no_forward_ad,
     check_no_func_transform,
     check_rescale_threshold,
+    check_sm_scale,
 )
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
@@ -100,7 +101,8 @@ def sparse_mla_fwd(
     check_forward_inputs(q, kv, indices, topk_length, d_v)
     check_features(q, q_positions, attn_sink)
     check_rescale_threshold(rescale_threshold, q.dtype)
-    check_no_forward_ad(q, kv)
+    check_sm_scale(sm_scale)
+    check_no_forward_ad(q, kv, attn_sink)
     dims = _dims(q, kv, d_v, causal=q_positions is not None, sink=attn_sink is not None,
                  max_logits=return_max_logits)
     backend = backends.select(q.device, q.dtype, "forward", dims)
@@ -125,6 +127,7 @@ def _(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, rescal
     check_forward_inputs(q, kv, indices, topk_length, d_v)
     check_features(q, q_positions, attn_sink)
     check_rescale_threshold(rescale_threshold, q.dtype)
+    check_sm_scale(sm_scale)
     lowering.install()
     return _fwd_outputs(q, return_o_lo, return_max_logits, d_v)
 
@@ -162,6 +165,7 @@ def sparse_mla_bwd(
     check_backward_inputs(dout, q, kv, indices, topk_length, out, lse, o_lo, d_v)
     check_features(q, q_positions, attn_sink)
     check_dlse(dlse, lse)
+    check_sm_scale(sm_scale)
     dims = _dims(q, kv, d_v, causal=q_positions is not None, sink=attn_sink is not None,
                  dlse=dlse is not None)
     backend = backends.select(q.device, q.dtype, "backward", dims)
@@ -189,6 +193,7 @@ def _(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse,
     check_backward_inputs(dout, q, kv, indices, topk_length, out, lse, o_lo, d_v)
     check_features(q, q_positions, attn_sink)
     check_dlse(dlse, lse)
+    check_sm_scale(sm_scale)
     lowering.install()
     d_sink = q.new_empty((q.shape[1],) if attn_sink is not None else (0,), dtype=torch.float32)
     return q.new_empty(q.shape), kv.new_empty(kv.shape), d_sink
@@ -234,7 +239,7 @@ sparse_mla_fwd.register_autograd(_backward, setup_context=_setup_context)
 _lib = torch.library.Library("mla_inductor", "FRAGMENT")
 _lib.define(
     "sparse_mla(Tensor q, Tensor kv, Tensor indices, Tensor? topk_length, Tensor? q_positions, "
-    "Tensor? attn_sink, bool causal, float sm_scale, int d_v, float? rescale_threshold, "
+    "Tensor? attn_sink, bool causal, float sm_scale, SymInt d_v, float? rescale_threshold, "
     "bool return_max_logits) -> (Tensor, Tensor, Tensor)"
 )
 
@@ -242,7 +247,7 @@ _lib.define(
 def _sparse_mla(q, kv, indices, topk_length, q_positions, attn_sink, causal, sm_scale, d_v,
                 rescale_threshold, return_max_logits):
     check_no_func_transform()
-    check_no_forward_ad(q, kv)
+    check_no_forward_ad(q, kv, attn_sink)
     if rescale_threshold is not None:
         check_rescale_threshold(rescale_threshold, q.dtype)
     flat = layout.flatten(q, kv, indices, topk_length, causal, q_positions)

@@ -28,15 +28,16 @@ import torch
 from torch import Tensor
 
 from . import backends, layout, lowering
-from .validation import check_features, check_forward_inputs, check_lse, require
+from .validation import check_features, check_forward_inputs, check_lse, check_sm_scale, require
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
 
 
-def _check(q, kv, indices, topk_length, q_positions, attn_sink, lse) -> None:
+def _check(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale) -> None:
     check_forward_inputs(q, kv, indices, topk_length, 1)  # no values are read: any d_v >= 1
     check_features(q, q_positions, attn_sink)
     check_lse(lse, q)
+    check_sm_scale(sm_scale)
 
 
 @torch.library.custom_op("mla_inductor::indexer_target", mutates_args=(), tags=_LAYOUT)
@@ -64,7 +65,7 @@ def indexer_target(
         RuntimeError: the input checks of :mod:`mla_inductor.validation` (also from the fake
             kernel at trace time), or a forced backend that cannot run here.
     """
-    _check(q, kv, indices, topk_length, q_positions, attn_sink, lse)
+    _check(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale)
     # d_v 0: the target reads no values
     features = frozenset(name for name, on in (("causal", q_positions is not None),
                                                ("sink", attn_sink is not None)) if on)
@@ -84,7 +85,7 @@ def indexer_target(
 
 @indexer_target.register_fake
 def _(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
-    _check(q, kv, indices, topk_length, q_positions, attn_sink, lse)
+    _check(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale)
     lowering.install()
     return q.new_empty(indices.shape, dtype=torch.float32)
 

@@ -95,7 +95,6 @@ def check_forward_inputs(
         indices.shape[0] == q.shape[0],
         f"token count mismatch: q has T={q.shape[0]}, indices has T={indices.shape[0]}",
     )
-    _check(indices.shape[1] >= 1, "indices must have topk >= 1 slots")
     _check(
         kv.device == q.device and indices.device == q.device,
         f"tensors on different devices: q {q.device}, kv {kv.device}, indices {indices.device}",
@@ -233,6 +232,17 @@ def check_rescale_threshold(rescale_threshold: float, dtype: torch.dtype) -> Non
     )
 
 
+def check_sm_scale(sm_scale: float) -> None:
+    """Checks that ``sm_scale`` is finite (a NaN or infinite scale turns every score into NaN or
+    +-inf). A symbolic value is not checked.
+
+    Raises:
+        RuntimeError: for NaN or +-inf.
+    """
+    if isinstance(sm_scale, float):
+        _check(math.isfinite(sm_scale), f"sm_scale must be finite, got {sm_scale}")
+
+
 def check_batched_inputs(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -299,20 +309,24 @@ def check_no_func_transform() -> None:
     )
 
 
-def check_no_forward_ad(q: torch.Tensor, kv: torch.Tensor) -> None:
+def check_no_forward_ad(*tensors: Optional[torch.Tensor]) -> None:
     """Refuses forward-mode AD (``torch.autograd.forward_ad`` dual tensors), which would
     otherwise return no tangent (read as zero): the op has a reverse-mode gradient only.
 
+    Args:
+        tensors: every differentiable input of the op (q, kv and attn_sink); None for an input
+            not given.
+
     Raises:
-        RuntimeError: when q or kv carries a tangent.
+        RuntimeError: when any of them carries a tangent.
     """
     if getattr(fwAD, "_current_level", 0) < 0:
         return  # no dual level is open (the common case)
     _check(
-        all(fwAD.unpack_dual(t).tangent is None for t in (q, kv)),
+        all(t is None or fwAD.unpack_dual(t).tangent is None for t in tensors),
         "forward-mode AD (torch.autograd.forward_ad dual tensors) is not supported: the op has "
-        "a reverse-mode gradient only; use torch.autograd (loss.backward(), "
-        "torch.autograd.grad)",
+        "a reverse-mode gradient only (a tangent on q, kv or attn_sink); use torch.autograd "
+        "(loss.backward(), torch.autograd.grad)",
     )
 
 

@@ -61,3 +61,14 @@ def test_disk_cache_round_trip(tmp_path, monkeypatch):
         assert len(files) == 1 and files[0].stat().st_size > 0
         loaded = KernelCache("t").get(key, lambda: pytest.fail("should load from disk"))
     assert loaded is not built and callable(loaded)
+
+
+def test_the_sink_variant_compiles():
+    """The forward with an attention sink (causal, max_logits) compiles for sm_90a: its
+    epilogue's edge-value handling (a +inf or NaN sink, one whose log2 overflows)."""
+    from mla_inductor.kernels.sm90 import fwd_host
+
+    key = fwd_host.compile_key(torch.bfloat16, 576, 512, 0.0, True, True, has_positions=True,
+                               has_sink=True, has_max_logits=True)
+    fn = fwd_host.get_kernel(key)
+    assert fn is fwd_host.get_kernel(key)

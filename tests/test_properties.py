@@ -41,8 +41,9 @@ from conftest import (
 )
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounterWithBackend
 
-from mla_inductor import backends, sparse_mla, use_backend
+from mla_inductor import backends, indexer_kl_loss, sparse_mla, use_backend
 
 _SLOW = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile("ci", max_examples=50, deadline=20_000, suppress_health_check=_SLOW)
@@ -381,3 +382,82 @@ def test_float16_subnormal_p(backend):
                    indices=torch.tensor([[2, 0]], dtype=torch.int32), topk_length=None,
                    q_layout="contiguous", kv_layout="contiguous", idx_layout="contiguous",
                    poison=None, grads=("kv",), seed=0))
+
+
+# -- attention-sink edge values ----------------------------------------------------------------
+
+SINK_EDGES = [math.inf, -math.inf, math.nan, 3.4e38, 1e30, 100.0, -1e30]
+
+
+def _sink_definition_fp64(q, kv, indices, sink, sm_scale, d_v):
+    """``(out, lse)`` float64 from the definition with every sink value allowed: ``lse =
+    log(exp(sink) + sum_j exp(s_j))`` (+inf for a +inf sink, NaN for a NaN one), ``P_j =
+    exp(s_j - lse)`` (0 when lse is +inf)."""
+    S = kv.shape[0]
+    valid = (indices >= 0) & (indices < S)
+    keys = kv.double()[torch.where(valid, indices, 0).long()]
+    s = torch.einsum("thd,tkd->thk", q.double(), keys) * sm_scale
+    s = s.masked_fill(~valid[:, None, :], -math.inf)
+    col = sink.double()[None, :, None].expand(s.shape[0], -1, 1)
+    lse = torch.logsumexp(torch.cat((s, col), -1), -1)
+    lse = torch.where(torch.isnan(col[..., 0]), math.nan, lse)  # logsumexp may drop a NaN
+    p = torch.exp(s - torch.where(lse == -math.inf, 0.0, lse)[..., None])
+    return torch.einsum("thk,tkd->thd", p, keys[..., :d_v]), lse
+
+
+@pytest.mark.parametrize("backend", backend_params(CPU_BACKENDS))
+@given(data=st.data())
+def test_sink_edge_values_match_the_definition(backend, data):
+    """Each head's sink drawn from the edges (+-inf, NaN, 3.4e38 whose log2 overflows float32,
+    1e30, 100, -1e30) and finite values; out and lse against the float64 definition, NaN where
+    it is NaN (a diverged sink is never hidden)."""
+    T, S, H, topk = (data.draw(st.integers(1, n), label=x) for n, x in
+                     ((6, "T"), (12, "S"), (4, "H"), (9, "topk")))
+    seed = data.draw(st.integers(0, 2**16), label="seed")
+    sinks = data.draw(st.lists(st.one_of(st.sampled_from(SINK_EDGES),
+                                         st.floats(-40, 40, width=32)),
+                               min_size=H, max_size=H), label="sinks")
+    g = torch.Generator().manual_seed(seed)
+    q, kv = torch.randn(T, H, 16, generator=g), torch.randn(S, 16, generator=g)
+    idx = torch.randint(-1, S + 1, (T, topk), generator=g, dtype=torch.int32)
+    sink = torch.tensor(sinks, dtype=torch.float32)
+    with use_backend(backend):
+        out, lse = sparse_mla(q, kv, idx, d_v=8, sm_scale=0.25, attn_sink=sink, return_lse=True)
+    ref_out, ref_lse = _sink_definition_fp64(q, kv, idx, sink, 0.25, 8)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5, equal_nan=True)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+# -- symbolic sizes under torch.compile ----------------------------------------------------------
+
+_COUNTER = CompileCounterWithBackend("aot_eager")
+
+
+def _attention_and_loss(q, kv, indices, target, S, d_v):
+    out, lse = sparse_mla(q, kv, indices, d_v=d_v, return_lse=True)
+    loss = indexer_kl_loss(indices.float(), target, indices, kv_len=S, causal=True)
+    return out, lse, loss
+
+
+_COMPILED = torch.compile(_attention_and_loss, backend=_COUNTER, dynamic=True, fullgraph=True)
+
+
+@settings(max_examples=min(settings().max_examples, 15))
+@given(T=st.integers(2, 6), S=st.integers(2, 20), topk=st.integers(2, 7), d_v=st.integers(2, 16),
+       seed=st.integers(0, 2**16))
+def test_python_int_sizes_stay_symbolic(T, S, topk, d_v, seed):
+    """``kv_len`` and ``d_v`` passed as Python ints under ``torch.compile(dynamic=True)``: every
+    drawn size runs the one graph (no recompile, no error), and gives the eager results. The
+    graph is traced first at sizes that differ from each other (Dynamo's duck sizing would
+    otherwise tie sizes that happen to be equal in the first call)."""
+    if _COUNTER.frame_count == 0:
+        _COMPILED(torch.randn(5, 3, 16), torch.randn(11, 16), torch.randint(0, 11, (5, 7)),
+                  torch.rand(5, 7), 11, 13)
+    g = torch.Generator().manual_seed(seed)
+    q, kv = torch.randn(T, 3, 16, generator=g), torch.randn(S, 16, generator=g)
+    indices = torch.randint(-1, S + 1, (T, topk), generator=g)
+    target = torch.rand(T, topk, generator=g)
+    got = _COMPILED(q, kv, indices, target, S, d_v)
+    for a, b in zip(got, _attention_and_loss(q, kv, indices, target, S, d_v)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert _COUNTER.frame_count == 1

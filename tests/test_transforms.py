@@ -39,19 +39,19 @@ def test_differentiating_func_transforms_are_refused(transform):
 
 
 @pytest.mark.parametrize("op", ["sparse_mla", "sparse_mla_fwd"])
-@pytest.mark.parametrize("dual", ["q", "kv"])
+@pytest.mark.parametrize("dual", ["q", "kv", "attn_sink"])
 def test_forward_mode_ad_is_refused(op, dual):
     q, kv, idx = _inputs()
+    sink = torch.zeros(q.shape[1])
     call = {
-        "sparse_mla": lambda q, kv: _attend(q, kv, idx),
-        "sparse_mla_fwd": lambda q, kv: torch.ops.mla_inductor.sparse_mla_fwd(
-            q, kv, idx, None, None, None, 0.25, DV, 0.0, False, False),
+        "sparse_mla": lambda q, kv, sink: sparse_mla(q, kv, idx, d_v=DV, attn_sink=sink),
+        "sparse_mla_fwd": lambda q, kv, sink: torch.ops.mla_inductor.sparse_mla_fwd(
+            q, kv, idx, None, None, sink, 0.25, DV, 0.0, False, False),
     }[op]
+    args = {"q": q, "kv": kv, "attn_sink": sink}
     with fwAD.dual_level(), pytest.raises(RuntimeError, match=r"^sparse_mla: forward-mode AD"):
-        if dual == "q":
-            call(fwAD.make_dual(q, torch.ones_like(q)), kv)
-        else:
-            call(q, fwAD.make_dual(kv, torch.ones_like(kv)))
+        args[dual] = fwAD.make_dual(args[dual], torch.ones_like(args[dual]))
+        call(args["q"], args["kv"], args["attn_sink"])
 
 
 def test_vmap_over_a_leading_dimension_matches_the_fp64_reference():

@@ -307,7 +307,8 @@ def indexer_loss(model: nn.Module) -> Tensor:
         have none) in training mode with grad enabled, each
         :func:`~mla_inductor.integrations.transformers_indexer_loss.layer_loss`; its gradient
         reaches the indexers' parameters only. The record is then cleared. 0 (without grad)
-        where none was recorded (eval mode, ``torch.no_grad()``, no forward since).
+        where none was recorded (eval mode, ``torch.no_grad()``, no forward since), with a
+        ``UserWarning`` saying which.
 
     Raises:
         ValueError: ``model`` has no DSA attention layer.

@@ -47,6 +47,7 @@ runs without grad, so no loss is recorded (:func:`take` gives 0).
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -97,12 +98,23 @@ def record(attn: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tens
 
 
 def take(layers: list[nn.Module]) -> Tensor:
-    """The mean of the losses ``layers`` recorded (0-d float32; 0, without grad, where none
-    recorded one), which are then cleared."""
+    """The mean of the losses ``layers`` recorded (0-d float32), which are then cleared; 0,
+    without grad, where none recorded one, with a ``UserWarning`` that says why (shown once per
+    calling line by Python's default warning filter): a training loop that adds a 0 would
+    otherwise never learn that its indexers are not trained."""
     losses = [loss for attn in layers for loss in getattr(attn, _LOSSES)]
     for attn in layers:
         getattr(attn, _LOSSES).clear()
     if not losses:
+        if any(not attn.training for attn in layers):
+            why = ("the model is in eval mode (the loss is computed in training forwards only); "
+                   "call model.train() before the forward")
+        else:
+            why = ("no forward in training mode with grad enabled ran since the last call (a "
+                   "forward under torch.no_grad() or torch.inference_mode(), reentrant "
+                   "gradient checkpointing, or no forward at all)")
+        warnings.warn(f"mla_inductor: indexer_loss(model) is 0 and has no gradient: {why}",
+                      stacklevel=3)
         return torch.zeros((), device=next(layers[0].parameters()).device)
     return torch.stack(losses).mean()
 

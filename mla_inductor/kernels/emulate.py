@@ -37,8 +37,11 @@ out-of-range read), the gathered row is replaced by zeros (as a kernel's zero-fi
 value of row 0, NaN included, reaches the output) and their score is ``-inf``.
 
 Non-finite scores: a NaN or +inf score (a NaN or inf in q or in a row a valid slot names) makes
-the row sum NaN; that row's out and lse are NaN (not the ``-inf`` of an empty row). Tokens and
-heads are vectorised; tokens are processed in chunks to bound memory.
+the row sum NaN; that row's out and lse are NaN (not the ``-inf`` of an empty row). So does a
+NaN sink, on every row of its head. A sink whose ``s2`` is +inf (the sink +inf, or finite above
+``2**128 * ln 2``) is the row's max with ``exp2(s2 - m_e) = 1`` (not ``exp2(inf - inf)``): out
+0 and lse the sink (+inf for a +inf sink), as the definition gives. Tokens and heads are
+vectorised; tokens are processed in chunks to bound memory.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ def forward(
     o_lo = q.new_zeros((T, H, d_v) if return_o_lo else (0,))
     max_logits = q.new_full((T, H) if return_max_logits else (0,), -math.inf, dtype=torch.float32)
     sink2 = None if attn_sink is None else attn_sink.float() * _LOG2E  # [H], log2 units
-    if S == 0 or T == 0:
+    if S == 0 or T == 0 or indices.shape[1] == 0:
         if attn_sink is not None:
             lse.copy_(attn_sink.float().expand(T, H))
         return out, lse, o_lo, max_logits
@@ -158,13 +161,21 @@ def forward(
             m_e = torch.maximum(m, sink2)
             m_e_safe = torch.where(m_e == -math.inf, 0.0, m_e)
             scale = torch.exp2(m - m_e_safe)
-            row_sum = row_sum * scale + torch.exp2(sink2 - m_e_safe)
+            # a +inf s2 (a +inf sink, or a finite one above 2**128 * ln 2) is the max: its
+            # exp2(s2 - m_e) = exp2(inf - inf) is 1, not NaN
+            row_sum = row_sum * scale + torch.where(sink2 == math.inf, 1.0,
+                                                    torch.exp2(sink2 - m_e_safe))
             m = m_e
-        has_rows = row_sum > 0
-        inv = torch.where(has_rows, scale / row_sum, 0.0)
+        # 0 only for a row sum of exactly 0 (no valid slot, no sink): a NaN row sum (a NaN or
+        # +inf score, a NaN sink) gives NaN out and lse, never a hidden 0
+        inv = torch.where(row_sum == 0, 0.0, scale / row_sum)
         o = acc * inv[..., None]
         out[t0:t1] = o.to(q.dtype)
-        lse[t0:t1] = torch.where(row_sum == 0, -math.inf, (m + torch.log2(row_sum)) * _LN2)
+        row_lse = (m + torch.log2(row_sum)) * _LN2
+        if sink2 is not None:  # s2 overflowed: lse from the natural-log sink (row_sum is 1)
+            row_lse = torch.where(sink2 == math.inf, attn_sink.float() + torch.log(row_sum),
+                                  row_lse)
+        lse[t0:t1] = torch.where(row_sum == 0, -math.inf, row_lse)
         if return_o_lo:
             o_lo[t0:t1] = (o - out[t0:t1].float()).to(q.dtype)
         if return_max_logits:

@@ -92,7 +92,8 @@ def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor] = None):
     """``(p, lse, p_sink)`` of scores ``s [c, H, topk]`` and an optional sink ``[H]``:
     ``p = exp(s - m) / total`` with ``m`` the row max (the sink included) and ``total`` the sum
     of ``exp(s - m)`` and ``exp(sink - m)``; 0 on rows whose scores (and sink) are all -inf.
-    ``lse = m + log(total)`` ``[c, H]`` (-inf on those rows; NaN where a score is NaN or +inf);
+    ``lse = m + log(total)`` ``[c, H]`` (-inf on those rows; NaN where a score is NaN or +inf,
+    or the sink is NaN; +inf for a +inf sink, whose rows get ``p = 0`` and ``p_sink = 1``);
     ``p_sink [c, H]`` the sink's probability (None without a sink)."""
     m = s.amax(dim=-1, keepdim=True)
     if sink is not None:
@@ -103,7 +104,9 @@ def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor] = None):
     total = e.sum(dim=-1, keepdim=True)
     e_sink = None
     if sink is not None:
-        e_sink = torch.exp(sink - m)
+        # A +inf sink is the max: exp(sink - m) is exp(inf - inf) = NaN, its value 1 (P_sink 1,
+        # every slot's P 0, lse +inf); a NaN sink stays NaN (in m: every output of the row).
+        e_sink = torch.where(sink == math.inf, 1.0, torch.exp(sink - m))
         total = total + e_sink
     safe = torch.where(total == 0, 1.0, total)
     p_sink = None if sink is None else (e_sink / safe).squeeze(-1)
@@ -209,8 +212,11 @@ def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_
     """Reference indexer target; see the backend protocol in :mod:`mla_inductor.kernels`.
 
     Per chunk of tokens: the scores as the forward forms them (fp32, empty slots -inf),
-    ``P = exp(s - lse)`` with the given lse (0 on empty slots, also where lse is -inf), summed
-    over heads and divided by its sum over the row's valid slots. ``attn_sink`` is not read: the
+    ``P = exp(s - lse - m_t)`` with the given lse (0 on empty slots, also where lse is -inf) and
+    ``m_t`` the token's largest ``s - lse`` over its heads and valid slots (a constant of the
+    row, which the normalisation cancels: no term that matters falls into float32's subnormals,
+    however large the sink), summed over heads and divided by its sum over the row's valid
+    slots. ``attn_sink`` is not read: the
     sink is inside lse, so its mass is already left out of P. Only the chunk's ``[c, H, topk]``
     scores are alive at once, never those of the whole problem.
     """
@@ -218,14 +224,21 @@ def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_
     T, H, d_qk = q.shape
     S = kv.shape[0]
     target = q.new_zeros(indices.shape, dtype=torch.float32)
-    if S == 0:
+    if S == 0 or indices.shape[1] == 0:
         return target
     for t0, t1 in _chunks(T, indices.shape[1], d_qk, H):
         valid = valid_slots(indices[t0:t1], _chunk(topk_length, t0, t1), S,
                             _chunk(q_positions, t0, t1))
         s = _scores(q[t0:t1], _gather(kv, indices[t0:t1], valid), valid, sm_scale)
-        p = torch.exp(s - lse[t0:t1, :, None])
-        w = torch.where(valid, p.sum(1), 0.0)  # [c, topk]; an empty slot's -inf - -inf is NaN
+        x = torch.where(valid[:, None, :], s - lse[t0:t1, :, None], -math.inf)  # [c, H, topk]
+        # The target is normalised per token: exp(x - m) with m the token's largest x (over its
+        # heads and valid slots) keeps the largest term 1, where exp(x) itself falls into
+        # float32's subnormals once a sink takes nearly all the mass (x ~ -100 for a sink of
+        # 100). A NaN x makes m NaN (the row's valid slots NaN); m -inf (no valid slot, or every
+        # lse +inf) is taken against 0.
+        m = x.amax(dim=(1, 2), keepdim=True)
+        m = torch.where(m == -math.inf, 0.0, m)
+        w = torch.where(valid, torch.exp(x - m).sum(1), 0.0)  # [c, topk]
         total = w.sum(-1, keepdim=True)
         target[t0:t1] = torch.where(valid & (total != 0), w / total, 0.0)
     return target

@@ -325,7 +325,7 @@ def forward(
     S = kv.shape[0]
     out = q.new_empty(T, H, d_v)
     lse = q.new_empty(T, H, dtype=torch.float32)
-    if T == 0 or S == 0:
+    if T == 0 or S == 0 or indices.shape[1] == 0:  # nothing to read: no launch
         out.zero_()
         lse.fill_(float("-inf"))
         o_lo = q.new_zeros(T, H, d_v) if return_o_lo else q.new_empty(0)
@@ -378,7 +378,7 @@ def backward(
         )
     T, H, d_qk = q.shape
     S = kv.shape[0]
-    if T == 0 or S == 0:
+    if T == 0 or S == 0 or indices.shape[1] == 0:  # nothing to read: no launch
         return q.new_zeros(T, H, d_qk), kv.new_zeros(S, d_qk), None
     qv, q_pe = _split_q(q, has_rope)
     v, k_pe = _split_kv(kv, has_rope)

@@ -141,6 +141,10 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or H == 0:
         return dq
+    if indices.shape[1] == 0:  # no slot: zero gradients without a launch; dpsum is 0
+        if dpsum_out is not None:
+            dpsum_out.copy_(-dlse if dlse is not None else torch.zeros_like(dpsum_out))
+        return dq.zero_()
     tlen, qpos = int32_contiguous(topk_length), int32_contiguous(q_positions)
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     has_o_lo = o_lo.numel() > 0
@@ -173,7 +177,10 @@ def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, *
                        q_positions=q_positions, dlse=dlse, dpsum_out=dpsum)
     d_sink = None
     if attn_sink is not None:
-        p_sink = torch.exp(attn_sink.float()[None, :] - lse)  # the sink's probability per row
+        sink = attn_sink.float()[None, :]
+        # the sink's probability per row: 1 where it is lse (a +inf sink: exp(inf - inf) is
+        # NaN), 0 on a row without a valid slot and a -inf sink, NaN for a NaN sink
+        p_sink = torch.where(sink == lse, 1.0, torch.exp(sink - lse))
         p_sink = torch.where(torch.isneginf(lse), 0.0, p_sink)
         d_sink = -(p_sink * dpsum).sum(0)
     return dq, dkv_from_accum(dkv_accum, kv.dtype), d_sink

@@ -446,7 +446,7 @@ class SparseMlaFwdSm90:
             bmax = cute.make_rmem_tensor((2,), Float32)
             psum = cute.make_rmem_tensor((2,), Float32)
             true_max = cute.make_rmem_tensor((2,), Float32)  # (max_logits: the lazy max is stale)
-            sink2 = cute.make_rmem_tensor((2,), Float32)  # the rows' sinks times log2(e)
+            sink2 = cute.make_rmem_tensor((2,), Float32)  # the rows' sinks (natural log)
             valid = cute.make_rmem_tensor((16,), Boolean)
             mma_rs = cute.make_mma_atom(tiled_mma_pv_rs.op)
             mma_ss = cute.make_mma_atom(tiled_mma_pv_ss.op)
@@ -588,7 +588,7 @@ class SparseMlaFwdSm90:
     def _start_tile(self, k, tile, n_head_tiles, mTopkLen, topk, num_heads, acc_O, row_max,
                     row_sum, true_max, mbar_q, sink2, sSink, row0, row1):
         """A consumer at the start of its ``k``-th tile ``tile``: per-tile state reset, waits
-        for the tile's Q, copies its rows' sinks times log2(e) (-inf past H) to registers;
+        for the tile's Q, copies its rows' sinks (natural log; -inf past H) to registers;
         returns the token, the first head and the pair count."""
         t, h0, n_valid, n_pairs = self._tile(tile, n_head_tiles, mTopkLen, topk)
         acc_O.fill(0.0)
@@ -600,8 +600,8 @@ class SparseMlaFwdSm90:
         if const_expr(self.has_sink):
             rows = [row0, row1]
             for r in cutlass.range_constexpr(2):
-                sink2[r] = cutlass.select_(h0 + rows[r] < num_heads,
-                                           sSink[rows[r]] * Float32(LOG2E), -Float32.inf)
+                sink2[r] = cutlass.select_(h0 + rows[r] < num_heads, sSink[rows[r]],
+                                           -Float32.inf)
         return t, h0, n_pairs
 
     @cute.jit
@@ -612,8 +612,10 @@ class SparseMlaFwdSm90:
 
         With a sink ``s2 = sink * log2(e)`` the row's total in the max ``m_e = max(m, s2)`` is
         ``row_sum * exp2(m - m_e) + exp2(s2 - m_e)``: a row without a valid slot gets out 0 and
-        lse = sink (-inf only when the sink is -inf too); ``sink2``: the rows' sinks times
-        log2(e) (-inf past H)."""
+        lse = sink (-inf only when the sink is -inf too); ``sink2``: the rows' sinks (natural
+        log, -inf past H). A +inf ``s2`` (the sink +inf, or finite above ``2**128 * ln 2``) is
+        the max with ``exp2(s2 - m_e) = 1`` (not ``exp2(inf - inf)``): out 0, lse the sink. A
+        NaN row sum (a NaN or +inf score, a NaN sink) gives NaN out and lse."""
         inv = [Float32(0.0), Float32(0.0)]
         rows = [row0, row1]
         for r in cutlass.range_constexpr(2):
@@ -632,17 +634,20 @@ class SparseMlaFwdSm90:
             m = row_max[r]
             scale = Float32(1.0)
             if const_expr(self.has_sink):
-                s2 = sink2[r]
+                s2 = sink2[r] * Float32(LOG2E)
                 m_e = cute.arch.fmax(m, s2)
                 scale = cute.math.exp2(m - m_e, fastmath=True)
-                rs = rs * scale + cute.math.exp2(s2 - m_e, fastmath=True)
+                rs = rs * scale + cutlass.select_(s2 == Float32.inf, Float32(1.0),
+                                                  cute.math.exp2(s2 - m_e, fastmath=True))
                 m = m_e
-            has = rs > 0.0
-            inv[r] = cutlass.select_(has, scale / rs, Float32(0.0))
+            inv[r] = cutlass.select_(rs == 0.0, Float32(0.0), scale / rs)
             if const_expr(role == 0):
                 # -inf only for a row sum of exactly 0 (no valid slot): a NaN row sum (a NaN or
                 # +inf score) gives a NaN lse, as the reference's
-                lse = cutlass.select_(rs == 0.0, -Float32.inf, m * LN2 + cute.math.log(rs))
+                lse = m * LN2 + cute.math.log(rs)
+                if const_expr(self.has_sink):  # s2 overflowed: from the natural-log sink
+                    lse = cutlass.select_(m == Float32.inf, sink2[r] + cute.math.log(rs), lse)
+                lse = cutlass.select_(rs == 0.0, -Float32.inf, lse)
                 if lane % 4 == 0:
                     if head < num_heads:
                         mLSE[t, head] = lse

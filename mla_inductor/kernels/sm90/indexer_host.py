@@ -7,6 +7,8 @@ disk) does not have, so a process whose disk cache is warm never imports it (see
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..cache import KernelCache
@@ -107,6 +109,22 @@ def indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale):
     indices = int32_contiguous(indices)
     topk_length, q_positions = int32_contiguous(topk_length), int32_contiguous(q_positions)
     key = compile_key(q.dtype, d_qk, tile, topk_length is not None, q_positions is not None)
-    get_kernel(key)(q, kv, indices, topk_length, q_positions, lse.float().contiguous(), target,
+    get_kernel(key)(q, kv, indices, topk_length, q_positions,
+                    shifted_lse(lse.float(), indices.shape[1], tile), target,
                     float(sm_scale) * LOG2E)
     return target
+
+
+def shifted_lse(lse: torch.Tensor, topk: int, tile_heads: int) -> torch.Tensor:
+    """``lse [T, H]`` float32 less a per-token constant ``c_t = min(min_h lse[t, h], K)``
+    (0 where that is not finite), contiguous: the kernel's ``exp2((s - lse) * log2(e))`` terms
+    are then ``exp(s - lse + c_t)``, whose normalised target is the same, but whose terms stay
+    out of float32's subnormals when a sink takes nearly all of each head's mass (a sink of 100
+    puts them near ``exp(-100)``, 2**-144). ``K = (126 - log2(topk * tile_heads)) * ln 2`` bounds
+    every term by ``2**(126 - log2(topk * tile_heads))`` (``s <= lse``), so their sum cannot
+    overflow. Exact for sinks up to about ``K`` + 70 above the scores (natural log; K 75 at topk
+    2048 and 128 heads); the reference is exact for any sink."""
+    k = (126 - math.ceil(math.log2(max(topk * tile_heads, 1)))) * math.log(2.0)
+    c = lse.amin(dim=1, keepdim=True).clamp_max(k)
+    c = torch.where(torch.isfinite(c), c, 0.0)
+    return (lse - c).contiguous()
