@@ -1,6 +1,6 @@
 """Inductor integration of the sparse-MLA ops: explicit fallback lowerings with a layout rule.
 
-What inductor does with our ops (torch 2.9 to 2.13):
+What inductor does with our ops (torch 2.9 to 2.14):
 - The entry op ``sparse_mla`` never reaches inductor: AOTAutograd decomposes it (that is where the
   threshold policy runs), leaving ``sparse_mla_fwd`` / ``sparse_mla_bwd`` in the graphs (and
   likewise ``indexer_target_entry`` leaves ``indexer_target``, :mod:`mla_inductor.indexer`, and
@@ -20,9 +20,11 @@ fallbacks explicitly (``make_fallback`` with ``require_contiguous``), so compile
 working when a user sets ``torch._inductor.config.implicit_fallbacks = False``. It is installed
 lazily, from the fake kernels, once inductor is already imported (importing inductor costs
 seconds, which eager users should not pay). Without it (other torch versions), the tag above
-gives the same generated code through inductor's implicit fallback.
+gives the same generated code through inductor's implicit fallback. The gate's decision is
+logged once per process on the ``mla_inductor`` log (INFO; ``TORCH_LOGS="mla_inductor"``): the
+torch version, the tested range and whether the lowerings were registered.
 
-Tested: torch 2.13.0 (CPU) and 2.11.0 (CUDA, H200).
+Tested: torch 2.13.0 and 2.14.1 (CPU; 2.14.1 a CUDA build run on the CPU) and 2.11.0 (CUDA, H200).
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ import sys
 
 import torch
 
-TESTED_TORCH = ((2, 9), (2, 13))  # inclusive range of (major, minor)
+from .logs import log
+
+TESTED_TORCH = ((2, 9), (2, 14))  # inclusive range of (major, minor)
 _installed = False
+_gate_logged = False
 
 
 def _torch_version() -> tuple[int, int]:
@@ -52,7 +57,9 @@ def install() -> bool:
     if "torch._inductor.lowering" not in sys.modules:
         return False
     low, high = TESTED_TORCH
-    if not low <= _torch_version() <= high:
+    admitted = low <= _torch_version() <= high
+    _log_gate(admitted)
+    if not admitted:
         return False
     from torch._inductor.lowering import lowerings, make_fallback, require_contiguous
 
@@ -68,3 +75,21 @@ def install() -> bool:
             make_fallback(op, layout_constraint=require_contiguous, warn=False)
     _installed = True
     return True
+
+
+def _log_gate(admitted: bool) -> None:
+    """One INFO line per process: this torch's version against :data:`TESTED_TORCH` and whether
+    the explicit fallbacks are registered (without them ``implicit_fallbacks=False`` fails to
+    compile graphs holding the ops)."""
+    global _gate_logged
+    if _gate_logged:
+        return
+    _gate_logged = True
+    (lo_major, lo_minor), (hi_major, hi_minor) = TESTED_TORCH
+    log.info(
+        "lowering: torch %s %s the tested range %d.%d-%d.%d: explicit fallback lowerings %s",
+        torch.__version__, "is in" if admitted else "is outside", lo_major, lo_minor, hi_major,
+        hi_minor, "registered" if admitted else "not registered (inductor's implicit fallback "
+        "still calls the ops; implicit_fallbacks=False would fail)",
+        extra={"torch_version": torch.__version__, "admitted": admitted},
+    )

@@ -146,7 +146,9 @@ def reference_backward(
     Returns:
         ``dq [T, H, d_qk]`` and ``dkv [S, d_qk]``, float64 (duplicate indices accumulate once per
         occurrence; empty slots contribute nothing). The softmax and ``dpsum = rowsum(dout * out)``
-        are recomputed in float64, so this is the exact gradient of the given inputs. A sink
+        are recomputed in float64, ``dP - dpsum`` taken relative to each row's top key (so that
+        it does not cancel on rows whose top probability is within 2**-53 of 1), so this is the
+        exact gradient of the given inputs at any peakedness. A sink
         (no value) enters only through the softmax's normalisation; its own gradient is not
         returned.
     """
@@ -160,10 +162,19 @@ def reference_backward(
     for t0, t1 in _chunks(T, topk * (2 * d_qk + 3 * H)):
         tl = None if topk_length is None else topk_length[t0:t1]
         rows, valid = _gather64(kv, indices[t0:t1], tl)
-        p, _ = _probs64(q[t0:t1], rows, valid, sm_scale, attn_sink)
+        p, lse_c = _probs64(q[t0:t1], rows, valid, sm_scale, attn_sink)
         do = dout[t0:t1].double()
-        dpsum = (do * torch.bmm(p, rows[..., :d_v])).sum(-1, keepdim=True)
-        ds = p * (torch.bmm(do, rows[..., :d_v].transpose(1, 2)) - dpsum) * sm_scale
+        dp = torch.bmm(do, rows[..., :d_v].transpose(1, 2))
+        # dP - dpsum relative to each row's top key j: (dP - dP_j) - sum_k P_k (dP_k - dP_j)
+        # (+ dP_j P_sink), which does not cancel when P_j is within 2**-53 of 1.
+        dp_j = dp.gather(-1, p.argmax(dim=-1, keepdim=True))
+        centred = torch.where(p > 0, dp - dp_j, 0.0)
+        shifted = centred - (p * centred).sum(-1, keepdim=True)
+        if attn_sink is not None:
+            p_sink = torch.exp(attn_sink.double()[None, :] - lse_c)
+            p_sink = torch.where(torch.isneginf(lse_c), 0.0, p_sink)  # no slot and no sink
+            shifted = shifted + dp_j * p_sink[..., None]
+        ds = p * shifted * sm_scale
         dq[t0:t1] = torch.bmm(ds, rows)
         drows = torch.bmm(ds.transpose(1, 2), q[t0:t1].double())
         drows[..., :d_v] += torch.bmm(p.transpose(1, 2), do)
@@ -338,6 +349,204 @@ def self_last(indices: torch.Tensor) -> torch.Tensor:
     key a kernel processed last is processed first. Meant for -1-padded indices without
     ``topk_length`` (which would cut off the moved slot)."""
     return torch.cat([indices[:, 1:], indices[:, :1]], dim=1)
+
+
+# ----------------------------------------------------------------------------- the peakedness ladder
+
+LADDER_GAPS = (0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+
+
+def ladder_inputs(
+    T: int,
+    H: int,
+    d_qk: int = 576,
+    *,
+    topk: int,
+    kv_len: int,
+    gap: float,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    device="cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of a given peakedness: every (token, head) row's top logit exceeds the row's other
+    logits by ``gap`` (natural-log units of ``sm_scale * q.k`` with ``sm_scale = d_qk ** -0.5``).
+
+    ``kv [kv_len, d_qk]`` standard normal; ``indices [T, topk]`` int32 distinct random keys per
+    token (no empty slot), slot 0 the dominant one; ``q[t, h] = z + c * kv[indices[t, 0]]`` with
+    ``z`` standard normal (logits of spread 1 before the shift) and ``c >= 0`` solved per row in
+    float64 (bisection) so that ``s_0 - max_{k > 0} s_k = gap``; then ``q`` and ``kv`` are rounded
+    to ``dtype``, which moves the realised gap by about ``2**-9 * gap`` (:func:`top_gap` measures
+    it). The shift also widens the other logits' spread (to about ``sqrt(1 + c**2)``).
+
+    Returns ``(q [T, H, d_qk], kv [kv_len, d_qk], indices [T, topk])`` on ``device``,
+    deterministic in ``seed``.
+
+    Raises:
+        ValueError: if ``topk < 2``, ``kv_len < topk`` or ``gap < 0``.
+    """
+    if topk < 2 or kv_len < topk or not gap >= 0:
+        raise ValueError(f"need topk >= 2, kv_len >= topk and gap >= 0; got topk {topk}, "
+                         f"kv_len {kv_len}, gap {gap}")
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(kv_len, d_qk, generator=g, dtype=torch.float64).to(dtype).to(device)
+    keys = torch.rand(T, kv_len, generator=g).argsort(dim=1)[:, :topk]
+    indices = keys.to(torch.int32).to(device)
+    z = torch.randn(T, H, d_qk, generator=g, dtype=torch.float64).to(device)
+    sm_scale = d_qk**-0.5
+    q = torch.empty(T, H, d_qk, dtype=dtype, device=device)
+    for t0, t1 in _chunks(T, topk * (d_qk + 4 * H)):
+        rows = kv[indices[t0:t1].long()].double()  # [c, topk, d_qk]
+        k_dom = rows[:, 0]
+        s0 = torch.bmm(z[t0:t1], rows.transpose(1, 2)) * sm_scale  # [c, H, topk]
+        slope = torch.bmm(rows, k_dom[..., None]).transpose(1, 2) * sm_scale  # [c, 1, topk]
+
+        def gap_at(c):
+            s = s0 + c[..., None] * slope
+            return s[..., 0] - s[..., 1:].amax(-1)
+
+        lo = torch.zeros(s0.shape[:2], dtype=torch.float64, device=device)
+        hi = torch.ones_like(lo)
+        for _ in range(64):  # the gap grows about sqrt(d_qk) per unit of c: 2**64 is plenty
+            short = gap_at(hi) < gap
+            if not short.any():
+                break
+            hi = torch.where(short, 2 * hi, hi)
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            below = gap_at(mid) < gap
+            lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+        c = (lo + hi) / 2
+        q[t0:t1] = (z[t0:t1] + c[..., None] * k_dom[:, None, :]).to(dtype)
+    return q, kv, indices
+
+
+def top_gap(q, kv, indices, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, in float64: the gap between the top logit and the next (``[T, H]``, natural-log
+    units) and the softmax mass off the top key, ``1 - P_top`` (``[T, H]``, from the logits, not
+    by subtraction, so it is exact down to float64's range). Inputs without empty slots."""
+    T, H, d_qk = q.shape
+    gap = torch.empty(T, H, dtype=torch.float64, device=q.device)
+    mass = torch.empty_like(gap)
+    for t0, t1 in _chunks(T, indices.shape[1] * (d_qk + 2 * H)):
+        rows = kv[indices[t0:t1].long()].double()
+        s = torch.bmm(q[t0:t1].double(), rows.transpose(1, 2)) * sm_scale
+        top = s.topk(2, dim=-1).values
+        gap[t0:t1] = top[..., 0] - top[..., 1]
+        rest = torch.logsumexp(s.scatter(-1, s.argmax(-1, keepdim=True), -math.inf), dim=-1)
+        mass[t0:t1] = torch.exp(rest - torch.logsumexp(s, dim=-1))
+    return gap, mass
+
+
+def ladder(
+    backend: str = "emulate",
+    *,
+    gaps=LADDER_GAPS,
+    tokens: int = 16,
+    heads: int = 16,
+    topk: int = 256,
+    kv_len: int = 1024,
+    d_qk: int = 576,
+    d_v: int = 512,
+    seed: int = 0,
+    device="cpu",
+    progress: Optional[Callable[[str], None]] = None,
+) -> dict:
+    """The backward's error on rows of growing peakedness (:func:`ladder_inputs`, one gap for
+    all rows per rung), as multiples of the ideal bf16 pipeline (the float64 gradients rounded
+    to bf16; :func:`reference_backward` is exact at any gap).
+
+    Per gap, ``sparse_mla_fwd`` (threshold 0.0, with ``o_lo``) and ``sparse_mla_bwd`` run under
+    ``use_backend(backend)``: ``train`` with the forward's ``o_lo`` (the training path), ``no_o_lo``
+    (dpsum from out alone). On a CPU backend also, through the kernels' backward arithmetic
+    (:func:`mla_inductor.kernels.emulate.backward`, dpsum form on every key) given the
+    backend's out: ``o_lo_f32`` (``o_lo = float32(O) - out`` with O the float64 output rounded to
+    float32, i.e. a float32 O) and ``dominant_from_row`` (the bf16 o_lo, the dominant key's dS
+    from its row: :func:`mla_inductor.kernels.reference.gradients`).
+
+    Returns:
+        A JSON-serialisable dict: the configuration and ``rungs``, one per gap, with the
+        realised gap (median, min), the mass off the top key (median), ``ideal`` (dq, dkv rel-L2)
+        and per variant the dq and dkv rel-L2 vs float64 divided by the ideal's.
+
+    Raises:
+        RuntimeError: if the backend cannot run on ``device``.
+    """
+    from mla_inductor.kernels import emulate, reference
+
+    started = time.perf_counter()
+    sm_scale = d_qk**-0.5
+    ops = torch.ops.mla_inductor
+    rungs = []
+    for n, gap in enumerate(gaps):
+        if progress is not None:
+            progress(f"[{time.perf_counter() - started:6.1f} s] gap {gap:g} ({n + 1}/{len(gaps)})")
+        q, kv, idx = ladder_inputs(tokens, heads, d_qk, topk=topk, kv_len=kv_len, gap=gap,
+                                   seed=seed, device=device)
+        realised, mass = top_gap(q, kv, idx, sm_scale)
+        ref, _ = reference_forward(q, kv, idx, sm_scale=sm_scale, d_v=d_v)
+        g = torch.Generator().manual_seed(seed + 1)
+        dout = torch.randn(ref.shape, generator=g).to(q.dtype).to(device)
+        dq_ref, dkv_ref = reference_backward(dout, q, kv, idx, sm_scale=sm_scale, d_v=d_v)
+        ideal = {"dq": rel_l2(dq_ref.to(q.dtype), dq_ref),
+                 "dkv": rel_l2(dkv_ref.to(kv.dtype), dkv_ref)}
+
+        def ratios(dq, dkv):
+            return {"dq": rel_l2(dq, dq_ref) / ideal["dq"], "dkv": rel_l2(dkv, dkv_ref) / ideal["dkv"]}
+
+        with use_backend(backend):
+            out, lse, o_lo, _ = ops.sparse_mla_fwd(q, kv, idx, None, None, None, sm_scale, d_v,
+                                                   EXACT_THRESHOLD, True, False)
+            runs = {
+                key: ratios(*ops.sparse_mla_bwd(dout, None, q, kv, idx, None, None, None, out,
+                                                lse, residual, sm_scale, d_v)[:2])
+                for key, residual in (("train", o_lo), ("no_o_lo", o_lo.new_empty(0)))
+            }
+        if device == "cpu" or str(device) == "cpu":
+            o_lo32 = ref.float() - out.float()
+            dq, dkv, _ = emulate.backward(dout, None, q, kv, idx, None, None, None, out, lse,
+                                          o_lo32, sm_scale, d_v)
+            runs["o_lo_f32"] = ratios(dq, dkv)
+            dpsum = (dout.float() * (out.float() + o_lo.float())).sum(-1)
+            dq, dkv, _ = reference.gradients(dout, q, kv, idx, None, sm_scale, d_v, dpsum)
+            runs["dominant_from_row"] = ratios(dq, dkv)
+        rungs.append({
+            "gap": gap,
+            "realised_gap": {"median": realised.median().item(), "min": realised.min().item()},
+            "mass_off_top": mass.median().item(),
+            "ideal": ideal,
+            **runs,
+        })
+    return {"backend": backend, "tokens": tokens, "heads": heads, "topk": topk, "kv_len": kv_len,
+            "d_qk": d_qk, "d_v": d_v, "seed": seed, "rungs": rungs,
+            "seconds": time.perf_counter() - started}
+
+
+_LADDER_COLUMNS = (("train", "bf16 o_lo (training path)"), ("no_o_lo", "no o_lo"),
+                   ("o_lo_f32", "float32 O"), ("dominant_from_row", "bf16 o_lo, dominant key from its row"))
+
+
+def format_ladder(r: dict) -> str:
+    """The ladder of :func:`ladder` as Markdown: per gap, dq and dkv rel-L2 vs float64 as a
+    multiple of the ideal bf16 pipeline."""
+    cols = [(k, name) for k, name in _LADDER_COLUMNS if k in r["rungs"][0]]
+    lines = [
+        f"backend {r['backend']}: T = {r['tokens']}, S = {r['kv_len']}, topk = {r['topk']}, "
+        f"H = {r['heads']}, d_qk = {r['d_qk']}, d_v = {r['d_v']}, bf16, exact max; dq / dkv "
+        "rel-L2 vs float64 as a multiple of the ideal bf16 pipeline",
+        "",
+        "| gap (realised median) | mass off the top key | ideal dq / dkv | "
+        + " | ".join(name for _, name in cols) + " |",
+        "|---" * (3 + len(cols)) + "|",
+    ]
+    for g in r["rungs"]:
+        cells = [f"{g[k]['dq']:.2f} / {g[k]['dkv']:.2f}" if g[k]["dq"] < 1e4
+                 else f"{g[k]['dq']:.1e} / {g[k]['dkv']:.2f}" for k, _ in cols]
+        lines.append(
+            f"| {g['gap']:g} ({g['realised_gap']['median']:.2f}) | {g['mass_off_top']:.1e} | "
+            f"{g['ideal']['dq']:.2e} / {g['ideal']['dkv']:.2e} | " + " | ".join(cells) + " |"
+        )
+    lines += ["", f"({r['seconds']:.1f} s)"]
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- the order table
@@ -535,7 +744,8 @@ def _default_backend() -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """``python -m mla_inductor.numerics``: prints the order table (see :func:`order_table`)."""
+    """``python -m mla_inductor.numerics``: prints the order table (see :func:`order_table`), or
+    with ``--ladder`` the peakedness ladder (:func:`ladder`)."""
     parser = argparse.ArgumentParser(
         prog="python -m mla_inductor.numerics",
         description="Sparse-MLA forward numerics: lazy vs exact running max, dominant key first "
@@ -547,9 +757,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         default=None,
         help="default: the GPU kernel of this machine when available, else emulate (CPU)",
     )
-    parser.add_argument("--tokens", type=int, default=1024, help="T = S (default 1024)")
-    parser.add_argument("--heads", type=int, default=16, help="H (default 16)")
-    parser.add_argument("--topk", type=int, default=512, help="top-k slots per token (default 512)")
+    parser.add_argument("--ladder", action="store_true",
+                        help="the peakedness ladder instead (backward error per gap of the top "
+                        "logit, see ladder())")
+    parser.add_argument("--tokens", type=int, help="T (= S for the order table; default 1024, "
+                        "ladder 16)")
+    parser.add_argument("--heads", type=int, help="H (default 16)")
+    parser.add_argument("--topk", type=int, help="top-k slots per token (default 512, ladder 256)")
+    parser.add_argument("--kv-len", type=int, help="ladder only: S (default 1024)")
+    parser.add_argument("--gaps", type=float, nargs="+", default=list(LADDER_GAPS),
+                        help="ladder only: gaps of the top logit, natural-log units "
+                        "(default %(default)s)")
     parser.add_argument("--d-qk", type=int, default=576)
     parser.add_argument("--d-v", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
@@ -574,14 +792,33 @@ def main(argv: Optional[list[str]] = None) -> None:
     threads = default_threads(device) if args.threads is None else args.threads
     if threads < 1:
         parser.error(f"--threads must be >= 1, got {threads}")
-    print(f"order table of {backend} on {device}, {threads} CPU thread(s); progress on stderr, "
+    what = "peakedness ladder" if args.ladder else "order table"
+    print(f"{what} of {backend} on {device}, {threads} CPU thread(s); progress on stderr, "
           "the table on stdout", file=sys.stderr, flush=True)
+    heads = 16 if args.heads is None else args.heads
+    if args.ladder:
+        with cpu_threads(threads):
+            r = ladder(
+                backend,
+                gaps=tuple(args.gaps),
+                tokens=16 if args.tokens is None else args.tokens,
+                heads=heads,
+                topk=256 if args.topk is None else args.topk,
+                kv_len=1024 if args.kv_len is None else args.kv_len,
+                d_qk=args.d_qk,
+                d_v=args.d_v,
+                seed=args.seed,
+                device=device,
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
+            )
+        print(json.dumps(r, indent=2) if args.json else format_ladder(r))
+        return
     with cpu_threads(threads):
         r = order_table(
             backend,
-            tokens=args.tokens,
-            heads=args.heads,
-            topk=args.topk,
+            tokens=1024 if args.tokens is None else args.tokens,
+            heads=heads,
+            topk=512 if args.topk is None else args.topk,
             d_qk=args.d_qk,
             d_v=args.d_v,
             seed=args.seed,

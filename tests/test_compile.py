@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -136,3 +137,22 @@ def test_explicit_fallback_works_without_implicit_fallbacks():
         out = torch.compile(model, fullgraph=True)(x, idx)
         out.sum().backward()
     torch.testing.assert_close(out, model(x, idx), atol=1e-5, rtol=1e-5)
+
+
+def test_lowering_gate_logs_its_decision_once(monkeypatch, caplog):
+    """install() logs the torch-version gate once per process (INFO on ``mla_inductor``), for
+    a tested version and, here by a patched version, for one outside the range."""
+    import torch._inductor.lowering  # noqa: F401  (install() needs inductor loaded)
+
+    for version, admitted in ((lowering.TESTED_TORCH[1], True), ((2, 99), False)):
+        monkeypatch.setattr(lowering, "_installed", False)
+        monkeypatch.setattr(lowering, "_gate_logged", False)
+        monkeypatch.setattr(lowering, "_torch_version", lambda v=version: v)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mla_inductor"):
+            assert lowering.install() is admitted
+            assert lowering.install() is admitted
+        lines = [r for r in caplog.records if r.getMessage().startswith("lowering: torch")]
+        assert len(lines) == 1, [r.getMessage() for r in lines]
+        assert lines[0].admitted is admitted
+        assert ("not registered" in lines[0].getMessage()) is not admitted

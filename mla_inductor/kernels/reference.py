@@ -162,15 +162,19 @@ def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, ou
 
 
 def gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum=None, *, q_positions=None,
-              attn_sink=None, dlse=None):
+              attn_sink=None, dlse=None, dominant_from_row=True):
     """``(dq, dkv, d_sink)`` for the upstream gradients ``dout [T, H, d_v]`` and ``dlse [T, H]``
     (float32 or None), with P recomputed from the scores in fp32 and
-    ``dS = P * (dP - dpsum + dlse) * sm_scale``.
+    ``dS = P * (dP - dpsum + dlse) * sm_scale``, except (with ``dominant_from_row``) for each
+    row's dominant key (P above 1/2), whose dS comes from the row's other keys without the
+    cancellation of ``dP - dpsum`` (:func:`_dominant_from_row`).
 
     Args:
         dpsum: ``[T, H]`` float32, the row sums ``rowsum(dout * O)`` as a kernel forms them; or
             ``None`` for ``rowsum(P * dP)`` from the recomputed P (the textbook form).
         q_positions, attn_sink: as the forward's (``[T]`` int32, ``[H]`` float32, or None).
+        dominant_from_row: the dominant key's dS from the row's other keys (default); False
+            keeps the dpsum form on every key, as the kernels compute it.
 
     Returns:
         ``dq [T, H, d_qk]`` in q's dtype, ``dkv [S, d_qk]`` in kv's dtype (accumulated in fp32
@@ -199,6 +203,8 @@ def gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum=None, *, q
         if dlse is not None:
             dpsum_c = dpsum_c - dlse[t0:t1].float()
         ds = p * (dp - dpsum_c[..., None]) * sm_scale
+        if dominant_from_row:
+            ds = _dominant_from_row(ds, p, dp, p_sink, _chunk(dlse, t0, t1), sm_scale)
         dq[t0:t1] = torch.bmm(ds, rows).to(q.dtype)
         drows = torch.bmm(ds.transpose(1, 2), q[t0:t1].float())  # [c, topk, d_qk]
         drows[..., :d_v] += torch.bmm(p.transpose(1, 2), do)
@@ -206,6 +212,28 @@ def gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum=None, *, q
         if d_sink is not None:
             d_sink -= (p_sink * dpsum_c).sum(0)
     return dq, dkv_acc.to(kv.dtype), d_sink
+
+
+def _dominant_from_row(ds, p, dp, p_sink, dlse, sm_scale):
+    """``ds [c, H, topk]`` with the dS of each row's dominant key (its largest P, where above
+    1/2) recomputed from the row's other keys: ``dS_j = P_j (dP_j (1 - P_j) - sum_{k != j} P_k
+    dP_k + dlse) sm_scale`` with ``1 - P_j`` summed from the small probabilities (the other keys'
+    and the sink's). The dpsum form ``P_j (dP_j - dpsum)`` subtracts two numbers that agree to
+    ``1 - P_j``: once that is below the precision dpsum is carried in (2**-24 in float32, about
+    2**-17 from ``out + o_lo`` in bf16), dS_j, and with it the row's dq and dkv[j], is rounding
+    noise (the peakedness ladder of :mod:`mla_inductor.numerics`). The other keys keep the
+    dpsum form: their dP_k - dpsum does not cancel."""
+    j = p.argmax(dim=-1, keepdim=True)
+    p_j, dp_j = p.gather(-1, j), dp.gather(-1, j)
+    rest = p.scatter(-1, j, 0.0)
+    mass = rest.sum(-1, keepdim=True)
+    if p_sink is not None:
+        mass = mass + p_sink[..., None]
+    ds_j = dp_j * mass - (rest * dp).sum(-1, keepdim=True)
+    if dlse is not None:
+        ds_j = ds_j + dlse.float()[..., None]
+    ds_j = p_j * ds_j * sm_scale
+    return torch.where(p_j > 0.5, ds.scatter(-1, j, ds_j), ds)
 
 
 def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
