@@ -9,16 +9,17 @@ gradient, every parameter's gradient) at each T, in three modes:
 - ``eager``, ``sdpa``: the layer as transformers runs it with that ``attn_implementation`` (keys
   and values expanded per head, the indexer's top-k folded into a dense [1, 1, T, T] mask);
 - ``patched``: the same layer after :func:`mla_inductor.integrations.transformers.apply` (the
-  absorbed form on ``sparse_mla``, the indexer's top-k in query chunks), on the sdpa (bool) mask.
+  absorbed form on ``sparse_mla``, the indexer's top-k from ``lightning_indexer``), given what the
+  patched model passes its layers instead of a mask: each token's position (no ``[T, T]`` tensor).
 
 Two more rows time the layer's indexer alone (forward, under ``no_grad`` as in the layer; the
 same top-k definition): ``transformers' indexer alone (fwd)``, the module's own forward, which
 runs inside eager and sdpa (float32 scores ``[1, T, 64, T]`` and a float32 copy of its keys per
-query token, ``[T, 128, T]``: O(T²)), and ``chunked indexer alone (fwd)``,
+query token, ``[T, 128, T]``: O(T²)), and ``lightning indexer alone (fwd)``,
 :func:`mla_inductor.integrations.transformers_indexer.indexer_topk`, which runs inside patched
-(float32 scores of at most 256 MiB at once, one GEMM per chunk over the keys the chunk sees). The
-causal mask and the position embeddings are built as ``DeepseekV32Model`` builds them, once per T
-and mode, outside the timed calls (the model builds them once for all its layers).
+(the indexer's projections, then :func:`mla_inductor.lightning_indexer`, causal). The masks and
+the position embeddings are built as ``DeepseekV32Model`` builds them, once per T and mode,
+outside the timed calls (the model builds them once for all its layers).
 
 ms = median of ``--iters`` calls after ``--warmup`` untimed ones, CUDA events
 (:func:`mla_inductor.bench.timing.time_ms_calls`; the patched mode's first call compiles its
@@ -54,7 +55,7 @@ YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
             original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
             mscale_all_dim=1.0)
 MODES = ("eager", "sdpa", "patched")
-INDEXER_ROWS = ("transformers' indexer alone (fwd)", "chunked indexer alone (fwd)")
+INDEXER_ROWS = ("transformers' indexer alone (fwd)", "lightning indexer alone (fwd)")
 
 
 class Inputs(NamedTuple):
@@ -113,6 +114,14 @@ def layer_mode(attn, mode: str):
     attn.config._attn_implementation = "eager" if mode == "eager" else "sdpa"
     with mla_hf.switched(attn) if mode == "patched" else contextlib.nullcontext():
         yield
+
+
+def visibility(inputs: Inputs):
+    """What the patched model passes its layers in place of a mask at ``inputs`` (batch 1, no
+    cache, no padding): each token's position, ``Visibility(positions [1, T], None)``."""
+    from mla_inductor.integrations.transformers_indexer import Visibility
+
+    return Visibility(inputs.position_ids, None)
 
 
 def causal_mask(attn, inputs: Inputs) -> torch.Tensor:
@@ -255,7 +264,7 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
         results = {}
         for mode in MODES:
             with layer_mode(attn, mode):
-                mask = causal_mask(attn, inputs)
+                mask = visibility(inputs) if mode == "patched" else causal_mask(attn, inputs)
 
                 def step():
                     for p in (inputs.hidden_states, *params):
@@ -283,7 +292,7 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
             lambda: attn.indexer(inputs.hidden_states, q_resid, inputs.position_embeddings, mask,
                                  inputs.position_ids),
             lambda: indexer_topk(attn.indexer, dsv32.apply_rotary_pos_emb, inputs.hidden_states,
-                                 q_resid, inputs.position_embeddings, mask),
+                                 q_resid, inputs.position_embeddings, visibility(inputs)),
         )
         for row, fn in zip(INDEXER_ROWS, indexers):
             print(f"| {T} | {row} | {_cells(measure(fn, device, warmup, iters))} | |", flush=True)
