@@ -118,8 +118,11 @@ def test_sink_of_minus_inf_is_no_sink():
     minus_inf = torch.full((64,), -math.inf, device="cuda")
     with_sink = fwd_host.forward(q, kv, indices, None, sm_scale, D_V, 0.0, True,
                                  q_positions=positions, attn_sink=minus_inf)
-    for a, b in zip(none[:3], with_sink[:3]):
-        assert torch.equal(a, b)
+    # out and o_lo bitwise; lse to one float32 ulp: the two compiled variants contract
+    # ``m * ln2 + log(rs)`` into FMAs differently (H200, 2026-12-02: 427 of 2048 lse values 1 ulp
+    # apart, out and o_lo identical)
+    assert torch.equal(none[0], with_sink[0]) and torch.equal(none[2], with_sink[2])
+    torch.testing.assert_close(with_sink[1], none[1], rtol=2**-23, atol=0)
 
 
 def test_sink_view_with_a_partial_head_tile():

@@ -223,7 +223,7 @@ def _cells(m: Optional[Measurement]) -> str:
 
 def _speedup(results: dict) -> str:
     unpatched = [m.ms for mode, m in results.items() if mode != "patched" and m is not None]
-    if results["patched"] is None:
+    if results["patched"] is None or len(results) == 1:  # patched alone: nothing to compare
         return ""
     if not unpatched:
         return "unpatched OOM"
@@ -231,10 +231,11 @@ def _speedup(results: dict) -> str:
 
 
 def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
-             show_breakdown: bool = False) -> None:
+             show_breakdown: bool = False, modes=MODES) -> None:
     """Prints the table (module docstring) for token counts ``Ts`` and ``index_topk = topk``: real
     sizes in bf16 on CUDA, or with ``tiny`` :data:`TINY` in float32 on the CPU; with
-    ``show_breakdown``, after each T the patched step's :func:`breakdown`."""
+    ``show_breakdown``, after each T the patched step's :func:`breakdown`; ``modes``: the rows of
+    :data:`MODES` to run (the indexer rows always run)."""
     import transformers
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
 
@@ -262,7 +263,7 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
     for T in Ts:
         inputs = make_inputs(attn, rotary, T)
         results = {}
-        for mode in MODES:
+        for mode in modes:
             with layer_mode(attn, mode):
                 mask = visibility(inputs) if mode == "patched" else causal_mask(attn, inputs)
 
@@ -279,13 +280,14 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
             del mask, step
             speedup = _speedup(results) if mode == "patched" else ""
             print(f"| {T} | {mode} | {_cells(results[mode])} | {speedup} |", flush=True)
-        if show_breakdown and results["patched"] is not None:
+        if show_breakdown and results.get("patched") is not None:
             unit = "kernel" if device.type == "cuda" else "CPU self"
             print(f"| {T} | patched, {unit} ms: " + ", ".join(
                 f"{name} {ms:.1f}" for name, ms in parts.items()) +
                 f"; busy / wall {parts['busy'] / results['patched'].ms:.2f} | | | |", flush=True)
+        unpatched = any(mode != "patched" for mode in modes)
         with layer_mode(attn, "sdpa"):
-            mask = causal_mask(attn, inputs)[:, 0]
+            mask = causal_mask(attn, inputs)[:, 0] if unpatched else None
         with torch.no_grad():
             q_resid = attn.q_a_layernorm(attn.q_a_proj(inputs.hidden_states))
         indexers = (
@@ -294,14 +296,15 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
             lambda: indexer_topk(attn.indexer, dsv32.apply_rotary_pos_emb, inputs.hidden_states,
                                  q_resid, inputs.position_embeddings, visibility(inputs)),
         )
-        for row, fn in zip(INDEXER_ROWS, indexers):
+        # transformers' own indexer runs inside the unpatched modes: timed only with them
+        for row, fn in list(zip(INDEXER_ROWS, indexers))[0 if unpatched else 1:]:
             print(f"| {T} | {row} | {_cells(measure(fn, device, warmup, iters))} | |", flush=True)
         del inputs, mask, q_resid, indexers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``hf`` subcommand's flags: ``--T``, ``--topk``, ``--warmup``, ``--iters``, ``--tiny``,
-    ``--breakdown``."""
+    ``--modes``, ``--breakdown``."""
     parser.add_argument("--T", type=int, nargs="+", default=None,
                         help="token counts T (batch 1); default: 4096 16384 (with --tiny: 64 128)")
     parser.add_argument("--topk", type=int, default=None,
@@ -313,6 +316,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed calls per T and mode, the median reported; default: 5")
     parser.add_argument("--tiny", action="store_true",
                         help="a small config on the CPU in float32: a smoke run in seconds")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="the layer's modes to time; default: eager sdpa patched")
     parser.add_argument("--breakdown", action="store_true",
                         help="after each T, the patched step's time per part (indexer, "
                              "attention, projections, other) from a profiler trace, and idle")
@@ -329,4 +334,4 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"hf needs transformers (pip install 'mla-inductor[transformers]'): {e}")
     bench_hf(args.T or ([64, 128] if args.tiny else [4096, 16384]),
              args.topk or (16 if args.tiny else 2048), tiny=args.tiny, warmup=args.warmup,
-             iters=args.iters, show_breakdown=args.breakdown)
+             iters=args.iters, show_breakdown=args.breakdown, modes=tuple(args.modes))
