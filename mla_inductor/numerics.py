@@ -550,9 +550,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="T = S (default 1024)")
     parser.add_argument("--heads", type=int, default=16, help="H (default 16)")
     parser.add_argument("--topk", type=int, default=512, help="top-k slots per token (default 512)")
-    parser.add_argument("--d-qk", type=int, default=576)
-    parser.add_argument("--d-v", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--d-qk", type=int, default=576, help="query/key width: latent + rope (default 576)"
+    )
+    parser.add_argument(
+        "--d-v", type=int, default=512, help="value width, <= d_qk (default 512)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the drawn inputs (default 0)")
     parser.add_argument(
         "--attn-sink",
         type=float,
