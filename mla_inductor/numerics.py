@@ -1,6 +1,6 @@
 """Numerics of sparse MLA: fp64 references, error metrics, input builders and the order table.
 
-The questions this module answers (``../shared/docs/seed-notes.md``): does a forward leave a
+The questions this module answers (docs/numerics.md): does a forward leave a
 *coherent* gain error on peaked rows (the lazy running max does when the dominant key is processed
 last; the exact running max does not), and does the forward's ``o_lo`` residual make the
 backward's ``dpsum`` precise?

@@ -32,7 +32,7 @@ def test_help_at_every_level(argv, capsys):
 
 
 def test_indexer_parser_defaults_and_flags():
-    """``indexer`` defaults to the issue's shapes (T 4096 16384, H 128 64, topk 2048, S = T,
+    """``indexer`` defaults to DeepSeek-V3.2's shapes (T 4096 16384, H 128 64, topk 2048, S = T,
     random indices) and takes the shared shape flags and the protocol."""
     from mla_inductor.bench import indexer
 

@@ -93,7 +93,7 @@ class Model(nn.Module):
 
 
 def parallelize_heads(model: Model, mesh) -> Model:
-    """Tensor parallel over heads on the 1-D ``mesh`` (the README's recipe): wq column-parallel
+    """Tensor parallel over heads on the 1-D ``mesh`` (docs/integrations.md's recipe): wq column-parallel
     (q a DTensor sharded on heads), the latent kv and the indices replicated DTensors, wo
     row-parallel (its output a plain tensor, the sum over the ranks), each sink sharded with the
     heads. Returns ``model``, changed in place."""
