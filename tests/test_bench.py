@@ -1,9 +1,9 @@
 """The benchmark command: ``--help`` at every level, usage errors, and on a machine without an
-SM90 GPU each subcommand exits with a message naming why (the benchmarks themselves run on the
-H200, see README); ``hf --tiny``'s CPU smoke run and its layer's modes agreeing; ``dist --tiny``
-on 2 gloo ranks (tensor and context parallel equal to one process, their collectives) and its
-``--train`` run (the losses of one process trained here, tensor and context parallel equal to
-them); ``start --tiny``'s three fresh processes; on a GPU, the timers."""
+SM90 GPU each subcommand exits with a message naming why (the benchmarks themselves run on an
+H200: docs/performance.md); ``hf --tiny``'s CPU smoke run and its layer's modes agreeing;
+``dist --tiny`` on 2 gloo ranks (tensor and context parallel equal to one process, their
+collectives) and its ``--train`` run (the losses of one process trained here, tensor and context
+parallel equal to them); ``start --tiny``'s three fresh processes; on a GPU, the timers."""
 
 import re
 import subprocess

@@ -36,7 +36,8 @@ PATTERNS = {
     r"\bCEO\b": "the organisation that builds it",
     r"\bagents?\b": "who builds it",
     r"\bworktrees?\b": "how it is checked out",
-    r"(?<![\w])(?<!test )(?<!host )helpers?\b(?! (?:functions?|modules?)\b)": "'helper' as a person",
+    r"(?<![\w])(?<!test )(?<!host )helpers?\b(?! (?:functions?|modules?)\b)":
+        "'helper' as a person",
     r"\b(?:Claude|Anthropic|ChatGPT|Copilot)\b": "a tool's name",
     r"\bbranch [`'\"]": "a branch name",
     r"probe-cluster-bwd|wt-docs|/work/": "a branch or a checkout path",
@@ -90,5 +91,6 @@ def test_tracked_files_have_no_telltale_words():
             text = path.read_text()
         except UnicodeDecodeError:
             continue
-        found += [f"{path.relative_to(ROOT)}:{n}: {words!r} ({why})" for n, words, why in hits(text)]
+        name = path.relative_to(ROOT)
+        found += [f"{name}:{n}: {words!r} ({why})" for n, words, why in hits(text)]
     assert not found, "\n".join(found)
