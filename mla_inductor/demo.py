@@ -577,12 +577,22 @@ def _run(cfg: Config, out: Callable[[str], None]) -> Report:
     return report
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where it is None (the help text then says it)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> Config:
     """The command line (``--help`` lists the flags) as a :class:`Config`."""
     d = Config()
     p = argparse.ArgumentParser(
         prog="python -m mla_inductor.demo",
         description="Train a small DSA sparse-MLA byte-level LM with torch.compile, then sample.",
+        formatter_class=_DefaultsHelp,
     )
     p.add_argument("--steps", type=int, default=d.steps, help="training steps")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
@@ -591,7 +601,7 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--d-latent", type=int, help="d_v (default: 512 on cuda, else 64)")
     p.add_argument("--d-rope", type=int, help="rope width (default: 64 on cuda, else 16)")
     p.add_argument("--heads", type=int, default=d.heads, help="query heads")
-    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--layers", type=int, default=d.layers, help="transformer layers")
     p.add_argument("--topk", type=int, default=d.topk, help="tokens each token attends to")
     p.add_argument("--index-heads", type=int, default=d.index_heads, help="indexer heads")
     p.add_argument("--d-index", type=int,
@@ -600,10 +610,11 @@ def parse_args(argv=None) -> Config:
                    help="weight of the indexer's KL loss next to the LM loss (0: the indexer "
                    "keeps its random initialisation)")
     p.add_argument("--lr", type=float, default=d.lr, help="AdamW learning rate")
-    p.add_argument("--val-batches", type=int, default=d.val_batches)
+    p.add_argument("--val-batches", type=int, default=d.val_batches,
+                   help="held-out batches for the validation loss")
     p.add_argument("--sample-tokens", type=int, default=d.sample_tokens, help="bytes to generate")
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument("--device", default=d.device, help=f"default: {d.device} (cuda if available)")
+    p.add_argument("--device", default=d.device, help="cuda if available, else cpu")
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
@@ -611,7 +622,7 @@ def parse_args(argv=None) -> Config:
         "elsewhere; parameters stay float32)",
     )
     p.add_argument("--threads", type=int, help="CPU threads (default: 1 on cpu, else torch's)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="random seed (data, init, sampling)")
     return Config(**vars(p.parse_args(argv)))
 
 

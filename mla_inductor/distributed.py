@@ -57,7 +57,7 @@ def register_when_dtensor_imported() -> None:
     else right after it is first imported. A DTensor cannot exist before that import, so the
     rules are always in place for the first DTensor call, and ``import mla_inductor`` does not
     pay for importing DTensor (and sympy with it: 0.8 s of a 0.9 s import on a CPU machine,
-    about 2 s on the H200 machine) in processes that never use it."""
+    about 2 s on an H200 host) in processes that never use it."""
     if _DTENSOR in sys.modules:
         register()
     elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):

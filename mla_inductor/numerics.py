@@ -1,6 +1,6 @@
 """Numerics of sparse MLA: fp64 references, error metrics, input builders and the order table.
 
-The questions this module answers (``../shared/docs/seed-notes.md``): does a forward leave a
+The questions this module answers (docs/numerics.md): does a forward leave a
 *coherent* gain error on peaked rows (the lazy running max does when the dominant key is processed
 last; the exact running max does not), and does the forward's ``o_lo`` residual make the
 backward's ``dpsum`` precise?
@@ -768,9 +768,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--gaps", type=float, nargs="+", default=list(LADDER_GAPS),
                         help="ladder only: gaps of the top logit, natural-log units "
                         "(default %(default)s)")
-    parser.add_argument("--d-qk", type=int, default=576)
-    parser.add_argument("--d-v", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--d-qk", type=int, default=576,
+                        help="query/key width: latent + rope (default 576)")
+    parser.add_argument("--d-v", type=int, default=512, help="value width, <= d_qk (default 512)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the drawn inputs (default 0)")
     parser.add_argument(
         "--attn-sink",
         type=float,

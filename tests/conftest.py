@@ -76,7 +76,8 @@ def random_inputs(T, H, d_qk, S, topk, dtype=torch.bfloat16, device="cpu", seed=
 
 @pytest.fixture(autouse=True, scope="session")
 def kernel_cache_in_a_temporary_folder(tmp_path_factory):
-    """Kernels the tests compile go to a folder of this session, never the user's cache."""
+    """Kernels the tests compile go to a temporary folder of this test run, never the user's
+    cache."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLA_INDUCTOR_KERNEL_CACHE", str(tmp_path_factory.mktemp("kernel-cache")))
         yield

@@ -1,9 +1,9 @@
 """The benchmark command: ``--help`` at every level, usage errors, and on a machine without an
-SM90 GPU each subcommand exits with a message naming why (the benchmarks themselves run on the
-H200, see README); ``hf --tiny``'s CPU smoke run and its layer's modes agreeing; ``dist --tiny``
-on 2 gloo ranks (tensor and context parallel equal to one process, their collectives) and its
-``--train`` run (the losses of one process trained here, tensor and context parallel equal to
-them); ``start --tiny``'s three fresh processes; on a GPU, the timers."""
+SM90 GPU each subcommand exits with a message naming why (the benchmarks themselves run on an
+H200: docs/performance.md); ``hf --tiny``'s CPU smoke run and its layer's modes agreeing;
+``dist --tiny`` on 2 gloo ranks (tensor and context parallel equal to one process, their
+collectives) and its ``--train`` run (the losses of one process trained here, tensor and context
+parallel equal to them); ``start --tiny``'s three fresh processes; on a GPU, the timers."""
 
 import re
 import subprocess
@@ -32,7 +32,7 @@ def test_help_at_every_level(argv, capsys):
 
 
 def test_indexer_parser_defaults_and_flags():
-    """``indexer`` defaults to the issue's shapes (T 4096 16384, H 128 64, topk 2048, S = T,
+    """``indexer`` defaults to DeepSeek-V3.2's shapes (T 4096 16384, H 128 64, topk 2048, S = T,
     random indices) and takes the shared shape flags and the protocol."""
     from mla_inductor.bench import indexer
 

@@ -354,8 +354,8 @@ def _check_compile(mesh, setup: Setup) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     # torch 2.13 keys the AOTAutograd cache of a DTensor graph without the rank, so a rank can load
-    # another rank's graph, with that rank's slice of a replicated input baked in (pytorch/pytorch
-    # issue 188390): the README's workaround.
+    # another rank's graph, with that rank's slice of a replicated input baked in
+    # (pytorch/pytorch#188390): the workaround docs/integrations.md gives.
     from torch._functorch import config as functorch_config
 
     functorch_config.enable_autograd_cache = False

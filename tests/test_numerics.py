@@ -4,8 +4,8 @@ The metric and builder tests check :mod:`mla_inductor.numerics` itself on hand-c
 The backend tests run one parametrised matrix: ``emulate`` (the GPU kernels' online-softmax
 arithmetic, on CPU) always, and every kernel backend whose ``available()`` holds on a CUDA
 machine. They drive the public op, so the threshold policy is the one users get (training mode
--> exact running max). The published figures are in ``../shared/docs/seed-notes.md``; the
-emulator's own at larger sizes come from ``python -m mla_inductor.numerics``.
+-> exact running max). The figures at larger sizes come
+from ``python -m mla_inductor.numerics`` (docs/numerics.md).
 """
 
 from __future__ import annotations

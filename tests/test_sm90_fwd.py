@@ -147,7 +147,7 @@ def test_deterministic():
 
 
 def _peaked(T, H, S, topk, seed=0):
-    """Each token's own key dominates (self weight ~0.2, as in the seed notes)."""
+    """Each token's own key dominates (self weight ~0.2)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     kv = torch.randn(S, D_QK, generator=g)
     self_idx = torch.randperm(S, generator=g)[:T]

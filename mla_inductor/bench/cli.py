@@ -13,9 +13,14 @@ SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer": indexer,
                "lightning": lightning, "hf": hf, "dist": dist, "start": start}
 
 
+_MORE = (" What each column measures, and the measured tables: docs/benchmarks.md in the "
+         "repository.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser: each subcommand's help is the first line of its module's docstring, its
-    description the whole docstring, its flags the module's ``add_arguments``."""
+    description that line and a pointer to docs/benchmarks.md (where the module's docstring's
+    long explanation is written out for users), its flags the module's ``add_arguments``."""
     parser = argparse.ArgumentParser(
         prog="python -m mla_inductor.bench",
         description="Benchmarks of the sparse-MLA kernels on the current GPU (SM90); hf, dist "
@@ -25,9 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, module in SUBCOMMANDS.items():
-        doc = module.__doc__
-        p = sub.add_parser(name, help=doc.splitlines()[0].split(": ", 1)[1], description=doc,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        summary = module.__doc__.split("\n\n", 1)[0].split(": ", 1)[1]
+        p = sub.add_parser(name, help=summary,
+                           description=summary[:1].upper() + summary[1:].rstrip(".") + "." + _MORE)
         module.add_arguments(p)
         p.set_defaults(run=module.run)
     return parser

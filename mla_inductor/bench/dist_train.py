@@ -93,10 +93,10 @@ class Model(nn.Module):
 
 
 def parallelize_heads(model: Model, mesh) -> Model:
-    """Tensor parallel over heads on the 1-D ``mesh`` (the README's recipe): wq column-parallel
-    (q a DTensor sharded on heads), the latent kv and the indices replicated DTensors, wo
-    row-parallel (its output a plain tensor, the sum over the ranks), each sink sharded with the
-    heads. Returns ``model``, changed in place."""
+    """Tensor parallel over heads on the 1-D ``mesh`` (the recipe of docs/integrations.md): wq
+    column-parallel (q a DTensor sharded on heads), the latent kv and the indices replicated
+    DTensors, wo row-parallel (its output a plain tensor, the sum over the ranks), each sink
+    sharded with the heads. Returns ``model``, changed in place."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,

@@ -48,8 +48,8 @@ def torch_forward(q, kv, indices, sm_scale, d_v=D_V, chunk=256):
 
 
 def _flashmla_forward():
-    """FlashMLA's SM90 sparse prefill forward (the ``fmla_sm90`` extension the GPU machine's
-    anchors provide), or None when it is not importable."""
+    """FlashMLA's SM90 sparse prefill forward (the ``fmla_sm90`` extension built from
+    FlashMLA's sources), or None when it is not importable."""
     try:
         import fmla_sm90
     except ImportError:

@@ -5,9 +5,9 @@ patterns of :mod:`mla_inductor.bench.fwd`), times ``indexer_target`` (with the e
 lse) and the exact forward (threshold 0.0, no o_lo) in the same interleaved rounds
 (:func:`mla_inductor.bench.timing.time_ms_interleaved`, or ``--protocol cooled``), and measures
 the target call's peak memory: the bytes it allocates on top of its inputs (q, kv, indices,
-lse), against its output ``[T, topk]`` float32 (the issue's bound: inputs plus peak within 10%
-of inputs plus output, i.e. no ``[T, H, topk]`` tensor). TFLOPS = 2·T·H·topk·d_qk / time (the
-target computes only Q K^T). Prints a markdown table.
+lse), against its output ``[T, topk]`` float32 (the bound it is held to: inputs plus peak within
+10% of inputs plus output, i.e. no ``[T, H, topk]`` tensor). TFLOPS = 2·T·H·topk·d_qk / time
+(the target computes only Q K^T). Prints a markdown table.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every run is a new Python interpreter (``subprocess``) timing, in order: CUDA start-up (``import
 torch`` and a first tensor on the device), ``import mla_inductor``, the inputs (q and kv as
 parameters, the indices), a ``torch.optim.SGD`` over them (constructing a torch optimizer
-imports ``torch._dynamo``: 1.1-1.4 s on a 2-core CPU machine, 3.6-5.7 s on the H200 machine, in any
+imports ``torch._dynamo``: 1.1-1.4 s on a 2-core CPU machine, 3.6-5.7 s on an H200 host, in any
 training program), then the first training step: ``sparse_mla(q, kv, indices)`` (a training
 forward), ``backward`` and ``optimizer.step()``, synchronised. Three runs share one new kernel
 cache folder (``MLA_INDUCTOR_KERNEL_CACHE``, a temporary folder, removed afterwards): **cold**

@@ -10,9 +10,9 @@ rounding behaviour can be measured and tested on a CPU (see :mod:`mla_inductor.n
 2. Scores ``s = q · k`` are accumulated in fp32 from the low-precision inputs and scaled into the
    exp2 domain: ``s * sm_scale * log2(e)``. Empty slots score ``-inf``.
 3. Running row max ``m`` per (token, head) with FA4's lazy-rescale rule (FA4
-   ``flash_attn/cute/softmax.py``, ``SoftmaxSm100.update_row_max``; summarised in
-   ``../shared/docs/seed-notes.md``): with ``m_new = max(m_old, block max)``, the max is moved and
-   O / row_sum are rescaled by ``acc_scale = exp2(m_old - m_new)`` only when
+   ``flash_attn/cute/softmax.py``, ``SoftmaxSm100.update_row_max``): with
+   ``m_new = max(m_old, block max)``, the max is moved and O / row_sum are rescaled by
+   ``acc_scale = exp2(m_old - m_new)`` only when
    ``m_new - m_old > rescale_threshold`` (log2 units); otherwise the stale ``m_old`` is kept and
    the block's ``p`` can reach ``2**rescale_threshold``. ``rescale_threshold = 0.0`` is the exact
    running max: any growth rescales and the row's largest key gets ``p = 1.0`` exactly.

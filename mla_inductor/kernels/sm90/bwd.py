@@ -35,8 +35,8 @@ The preprocess was three torch ops with fp32 temporaries (about 10 GB of traffic
 H = 128, 2.7 ms of a 17.8 ms backward on the H200); inside the kernel it reads 2.1 GB once and
 costs about 0.75 ms (measured against a kernel without it, same run).
 
-Main kernel design (warp-specialised like the cuDNN frontend's SM90 DSA backward, summarised in
-``shared/docs/study-sparse-mla-kernels.md`` section 4.1; written independently):
+Main kernel design (warp-specialised like the cuDNN frontend's SM90 DSA backward; written
+independently):
 
 * one CTA = one query token x 64 heads (the wgmma M = 64), 256 threads = 2 warpgroups; heads
   beyond H are zero-filled rows of the tile and never stored;
