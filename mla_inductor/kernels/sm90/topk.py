@@ -78,6 +78,8 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .ptx import _asm
+
 BINS = 2048  # histogram bins (the widest digit, 11 bits)
 DIGITS = ((21, 0x7FF), (10, 0x7FF), (0, 0x3FF))  # (shift, mask) of the three digits
 VEC = 4  # elements per 16-byte vector
@@ -92,32 +94,13 @@ SMEM_LIMIT = 227 * 1024
 # ------------------------------------------------------------------------------------------------
 
 def _v4(ptx: str, constraints: str, operands, *, loc=None, ip=None):
-    res = llvm.inline_asm(
-        ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>"),
-        [x.ir_value(loc=loc, ip=ip) for x in operands],
-        ptx,
-        constraints,
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    res = _asm(ptx, constraints, operands, ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>"),
+               loc=loc, ip=ip)
     return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
 
 def _stmt(ptx: str, constraints: str, operands, *, loc=None, ip=None):
-    llvm.inline_asm(
-        None,
-        [x.ir_value(loc=loc, ip=ip) for x in operands],
-        ptx,
-        constraints,
-        has_side_effects=True,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc,
-        ip=ip,
-    )
+    _asm(ptx, constraints, operands, loc=loc, ip=ip)
 
 
 @dsl_user_op
