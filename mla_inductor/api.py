@@ -19,16 +19,17 @@ from .kernels.reference import valid_slots
 from . import lightning_scores  # noqa: F401  (registers torch.ops.mla_inductor.lightning_*)
 
 
-def _require(cond: bool, message) -> None:
+def _require(cond: bool, message, op: str = "sparse_mla") -> None:
     """A check of the Python argument types, which the op's schema needs before it can be called
     (a plain raise; under torch.compile Dynamo reports it as an observed exception). Layouts,
     shapes and dtypes are checked by the entry op (:mod:`mla_inductor.validation`), whose
     messages come first in the error at trace time. ``message`` is a string or, where it formats
     a value that may be symbolic under ``torch.compile`` (a size, a Python int argument), a
     function returning one, called only on failure (Dynamo cannot trace the formatting of a
-    symbolic value, and must not see a size turned into a constant)."""
+    symbolic value, and must not see a size turned into a constant). ``op`` prefixes the
+    message: the public function's name."""
     if not cond:
-        raise RuntimeError(f"sparse_mla: {message if isinstance(message, str) else message()}")
+        raise RuntimeError(f"{op}: {message if isinstance(message, str) else message()}")
 
 
 def _number(name: str, value, integral: bool = False):
@@ -363,30 +364,24 @@ def lightning_indexer(
             ``torch.compile``); a forced backend that cannot run here. On a CUDA device
             without a kernel for the problem the reference runs, with a warning.
     """
+    op = "lightning_indexer"
     for name, t in (("q", q), ("k", k), ("weights", weights)):
-        _require_lightning(isinstance(t, Tensor),
-                           f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _require_lightning(
-        q_positions is None or isinstance(q_positions, Tensor),
-        f"q_positions must be a torch.Tensor or None, got {type(q_positions).__name__}",
-    )
+        _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}",
+                 op=op)
+    _require(q_positions is None or isinstance(q_positions, Tensor),
+             f"q_positions must be a torch.Tensor or None, got {type(q_positions).__name__}",
+             op=op)
     if isinstance(topk, Tensor):
-        _require_lightning(False, f"topk must be a Python int, got a {topk.dim()}-d tensor; pass "
-                           "topk=int(t) outside the compiled region")
+        _require(False, f"topk must be a Python int, got a {topk.dim()}-d tensor; pass "
+                 "topk=int(t) outside the compiled region", op=op)
     if isinstance(topk, bool) or not isinstance(topk, (numbers.Integral, torch.SymInt)):
-        _require_lightning(False, f"topk must be a Python int, got {topk!r}")
+        _require(False, f"topk must be a Python int, got {topk!r}", op=op)
     if not isinstance(topk, (int, torch.SymInt)):
         topk = int(topk)  # e.g. a NumPy integer; a symbolic size stays symbolic
     indices, scores = torch.ops.mla_inductor.lightning_indexer_entry(
         q, k, weights, q_positions, bool(causal), topk
     )
     return (indices, scores) if return_scores else indices
-
-
-def _require_lightning(cond: bool, message: str) -> None:
-    """:func:`_require` for :func:`lightning_indexer`'s argument types."""
-    if not cond:
-        raise RuntimeError(f"lightning_indexer: {message}")
 
 
 def lightning_indexer_scores(q: Tensor, k: Tensor, weights: Tensor, indices: Tensor) -> Tensor:

@@ -36,13 +36,13 @@ import torch
 from torch import Tensor
 
 from . import backends, lowering
-from .validation import INDEX_DTYPES, SUPPORTED_DTYPES, require
+from .validation import INDEX_DTYPES, SUPPORTED_DTYPES, check_for
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
 
 
 def _check(cond, message: str) -> None:
-    require(cond, lambda: f"lightning_indexer_scores: {message}")
+    check_for("lightning_indexer_scores", cond, message)
 
 
 def _shape(t: Tensor) -> tuple:

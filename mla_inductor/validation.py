@@ -48,8 +48,17 @@ def require(cond, message: Callable[[], str]) -> None:
     torch._check(cond, message)
 
 
+def check_for(op: str, cond, message: str) -> None:
+    """:func:`require` with ``message`` prefixed by the op's public name (``sparse_mla``,
+    ``lightning_indexer``, ``lightning_indexer_scores``).
+
+    Raises:
+        RuntimeError: ``"<op>: <message>"`` when ``cond`` is false."""
+    require(cond, lambda: f"{op}: {message}")
+
+
 def _check(cond, message: str) -> None:
-    require(cond, lambda: f"sparse_mla: {message}")
+    check_for("sparse_mla", cond, message)
 
 
 def check_forward_inputs(
@@ -334,7 +343,7 @@ def check_no_forward_ad(*tensors: Optional[torch.Tensor]) -> None:
 
 
 def _lightning_check(cond, message: str) -> None:
-    require(cond, lambda: f"lightning_indexer: {message}")
+    check_for("lightning_indexer", cond, message)
 
 
 def check_lightning_layout(
