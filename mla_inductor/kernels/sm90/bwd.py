@@ -104,7 +104,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from .host import DKV_GROUP as _GROUP
-from .ptx import cp_async_16, create_policy, opaque_i32, red_add_f32x4, st_shared_b32
+from .ptx import cp_async_16, create_policy, opaque_i32, red_add_f32x4, red_add_fixed64, st_shared_b32
 
 _TILE_M = 64  # heads per CTA (wgmma M)
 _TILE_N = 64  # keys per block
@@ -145,12 +145,17 @@ def kmajor_sw128(dtype, rows: int, cols: int):
 class SparseMlaBackwardSm90:
     """Static configuration: dtype, head count, d_qk, d_v, whether topk_length, o_lo,
     causal positions and a gradient of lse are passed and dpsum is written out, and whether the
-    gathers carry an L2 evict_first policy (the module docstring says when)."""
+    gathers carry an L2 evict_first policy (the module docstring says when), and whether dkv is
+    accumulated in 64-bit fixed point (deterministic)."""
 
     def __init__(self, dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
                  has_o_lo: bool = True, has_positions: bool = False, has_dlse: bool = False,
-                 writes_dpsum: bool = False, gather_evict_first: bool = False):
+                 writes_dpsum: bool = False, gather_evict_first: bool = False,
+                 deterministic: bool = False):
         self.has_o_lo = has_o_lo
+        # dkv in 64-bit fixed point (integer adds, the same sum in every order) instead of
+        # float32 atomics: the accumulator is int64 and a [1] float32 tensor holds the scale
+        self.deterministic = deterministic
         # causal: slots naming a key past q_positions[t] are empty
         self.has_positions = has_positions
         self.has_dlse = has_dlse  # the backward uses dpsum - dlse
@@ -181,17 +186,18 @@ class SparseMlaBackwardSm90:
         mIdx: cute.Tensor,  # [T, topk] int32
         mTopkLen: Optional[cute.Tensor],  # [T] int32
         mdQ: cute.Tensor,  # [T, H, d_qk]
-        mdKV: cute.Tensor,  # [S, d_qk] fp32 accumulator, interleaved columns
+        mdKV: cute.Tensor,  # [S, d_qk] fp32 (or int64 fixed-point) accumulator, interleaved columns
         mQPos: Optional[cute.Tensor],  # [T] int32, causal positions
         mdLSE: Optional[cute.Tensor],  # [T, H] fp32, the gradient reaching lse
         mDpsum: Optional[cute.Tensor],  # [T, H] fp32 out: dpsum - dlse
+        mScale: Optional[cute.Tensor],  # [1] fp32, the fixed-point scale (deterministic only)
         sm_scale: Float32,
         stream: cuda.CUstream,
     ):
         T = mQ.shape[0]
         self.kernel(
             mQ, mKV, mdO, mOut, mOlo, mLSE, mIdx, mTopkLen, mdQ, mdKV, mQPos, mdLSE, mDpsum,
-            sm_scale,
+            mScale, sm_scale,
         ).launch(
             grid=[T * self.head_tiles, 1, 1],
             block=[_NUM_THREADS, 1, 1],
@@ -370,6 +376,7 @@ class SparseMlaBackwardSm90:
         mQPos: Optional[cute.Tensor],
         mdLSE: Optional[cute.Tensor],
         mDpsum: Optional[cute.Tensor],
+        mScale: Optional[cute.Tensor],
         sm_scale: Float32,
     ):
         """Device entry: one CTA per (token, 64-head tile); the design is the module docstring."""
@@ -432,11 +439,12 @@ class SparseMlaBackwardSm90:
         if wg == 0:
             self.wg0_body(
                 tidx, token, head0, n_valid, n_blocks, sm_scale, mKV, mIdx, mQPos, mdQ, mdKV,
-                sQ, sKV, sdO, sP, sdS, sRow, sLSE2, sDpsum, rIdx,
+                mScale, sQ, sKV, sdO, sP, sdS, sRow, sLSE2, sDpsum, rIdx,
             )
         if wg == 1:
             self.wg1_body(
-                tidx - _WG_THREADS, token, head0, n_blocks, mdQ, mdKV, sQ, sKV, sdO, sP, sdS, sRow,
+                tidx - _WG_THREADS, token, head0, n_blocks, mdQ, mdKV, mScale, sQ, sKV, sdO, sP,
+                sdS, sRow,
             )
 
     @cute.jit
@@ -453,6 +461,7 @@ class SparseMlaBackwardSm90:
         mQPos: Optional[cute.Tensor],
         mdQ: cute.Tensor,
         mdKV: cute.Tensor,
+        mScale: Optional[cute.Tensor],
         sQ: cute.Tensor,
         sKV: cute.Tensor,
         sdO: cute.Tensor,
@@ -552,7 +561,7 @@ class SparseMlaBackwardSm90:
             if blk + 1 < n_blocks:  # slabs [0, early) of the next block (warpgroup 1 never reads them)
                 self.gather((blk + 1) % 2, mKV, rIdx, sKV, sRow, t, 0, early)
             warpgroup.wait_group(0)
-            self.scatter(acc_kv, self.wg1_chunks, rRow, dkv_base, t % 32)
+            self.add_chunk(acc_kv, self.wg1_chunks, rRow, dkv_base, mScale, t)
 
         self.store_dq(mdQ, token, head0, thr_dq, acc_dq, c0, w)
 
@@ -610,6 +619,7 @@ class SparseMlaBackwardSm90:
         n_blocks: Int32,
         mdQ: cute.Tensor,
         mdKV: cute.Tensor,
+        mScale: Optional[cute.Tensor],
         sQ: cute.Tensor,
         sKV: cute.Tensor,
         sdO: cute.Tensor,
@@ -670,7 +680,7 @@ class SparseMlaBackwardSm90:
                 self.gemm(mma_dq[j], acc_dq[j], tA_ds[j], tB_kt[j])
             warpgroup.commit_group()
             warpgroup.wait_group(1)  # chunk 0 done (dq may still run)
-            self.scatter(acc_kv, 0, rRow, dkv_base, lane)
+            self.add_chunk(acc_kv, 0, rRow, dkv_base, mScale, t)
             for c in cutlass.range_constexpr(1, self.wg1_chunks):
                 self.issue_chunk(mma_kv, acc_kv, c, ops)
                 warpgroup.wait_group(0)  # chunk c (and dq) done
@@ -683,7 +693,7 @@ class SparseMlaBackwardSm90:
                 if const_expr(c == last_chunk):
                     if more:
                         cute.arch.barrier_arrive(barrier_id=_BAR_DS_FREE, number_of_threads=_NUM_THREADS)
-                self.scatter(acc_kv, c, rRow, dkv_base, lane)
+                self.add_chunk(acc_kv, c, rRow, dkv_base, mScale, t)
 
         for j in cutlass.range_constexpr(len(dq_parts)):
             c0, w = dq_parts[j]
@@ -730,6 +740,56 @@ class SparseMlaBackwardSm90:
         warpgroup.commit_group()
 
     @cute.jit
+    def add_chunk(self, acc, c: cutlass.Constexpr[int], rRow, dkv_base, mScale, t: Int32):
+        """Adds a finished 64 x 64 dKV chunk into the accumulator: float32 atomics
+        (:meth:`scatter`), or 64-bit fixed point when deterministic (:meth:`scatter_fixed`)."""
+        if const_expr(self.deterministic):
+            self.scatter_fixed(acc, c, rRow, dkv_base, mScale[0], t)
+        else:
+            self.scatter(acc, c, rRow, dkv_base, t % 32)
+
+    @cute.jit
+    def scatter_fixed(self, acc, c: cutlass.Constexpr[int], rRow, dkv_base, scale: Float32,
+                      t: Int32):
+        """The deterministic scatter: adds a finished 64 x 64 dKV chunk, times ``scale``, into the
+        int64 accumulator (:func:`.ptx.red_add_fixed64`), skipping empty slots.
+
+        Thread (warp w, lane l) holds, per key k0 + 8 h (k0 = 16 w + l // 4) and 16-column group
+        g, four values ``v[i]`` (i = 2 jh + e: register 8 g + 4 jh + 2 h + e, column 8 jh +
+        2 (l % 4) + e of the group). Two butterfly exchanges (shuffle xor 4 over bit 0 of i, xor
+        8 over bit 1) leave in slot i of lane l the value of key ``16 w + 8 h + 4 (l // 16) + i``
+        at group column ``8 jh + 2 (l % 4) + e`` with ``(jh, e)`` = bits 3, 2 of l; it is stored
+        at position ``8 jh + 4 e + l % 4 = l % 16`` of the group, so each red instruction of a
+        warp writes two keys x 16 consecutive int64 (two whole 128-byte lines; the column order
+        is :func:`.bwd_host.dkv_fixed_interleave`). The kv row of that key is ``rRow[h]`` of lane
+        ``16 (l // 16) + 4 i`` (:meth:`load_rows`), fetched with a shuffle: ``sRow`` itself may
+        already hold the next block's rows by the last chunk."""
+        lane = t % 32
+        src0 = 16 * (lane // 16)
+        b0 = (lane // 4) % 2 == 1
+        b1 = (lane // 8) % 2 == 1
+        keep = create_policy(True)
+        for h in cutlass.range_constexpr(2):
+            vals = []
+            for g in cutlass.range_constexpr(_CHUNK // _GROUP):
+                v = [acc[8 * g + 4 * (i // 2) + 2 * h + i % 2] for i in range(4)]
+                for bit, flag, off in ((1, b0, 4), (2, b1, 8)):
+                    for lo in [i for i in range(4) if not i & bit]:
+                        hi = lo | bit
+                        recv = cute.arch.shuffle_sync_bfly(
+                            cutlass.select_(flag, v[lo], v[hi]), offset=off)
+                        v_lo = cutlass.select_(flag, recv, v[lo])
+                        v_hi = cutlass.select_(flag, v[hi], recv)
+                        v[lo], v[hi] = v_lo, v_hi
+                vals.append(v)
+            for i in cutlass.range_constexpr(4):
+                row = cute.arch.shuffle_sync(rRow[h], src0 + 4 * i)
+                ok = Int32(row >= 0)
+                addr = dkv_base + (Int64(row) * self.d_qk + (c * _CHUNK + lane % 16)) * 8
+                for g in cutlass.range_constexpr(_CHUNK // _GROUP):
+                    red_add_fixed64(addr + g * _GROUP * 8, vals[g][i] * scale, ok, keep)
+
+    @cute.jit
     def scatter(self, acc, c: cutlass.Constexpr[int], rRow, dkv_base, lane):
         """Adds a finished 64 x 64 dKV chunk into the interleaved fp32 accumulator, skipping
         empty slots, so that every red instruction of a warp writes 4 keys x one whole 128-byte
@@ -770,12 +830,14 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 
 def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
                      has_o_lo: bool = True, has_positions: bool = False, has_dlse: bool = False,
-                     writes_dpsum: bool = False, gather_evict_first: bool = False):
+                     writes_dpsum: bool = False, gather_evict_first: bool = False,
+                     deterministic: bool = False):
     """Compiles the main kernel for one static configuration (no GPU needed inside
     :func:`.common.target_arch`). The returned TVM-FFI function takes ``(q, kv, dout, out,
     o_lo_or_None, lse, indices, topk_length_or_None, dq, dkv_accum, q_positions_or_None,
-    dlse_or_None, dpsum_or_None, sm_scale)`` as torch tensors and a float, and runs on torch's
-    current stream."""
+    dlse_or_None, dpsum_or_None, scale_or_None, sm_scale)`` as torch tensors and a float, and
+    runs on torch's current stream; ``dkv_accum`` is float32, or int64 with a ``[1]`` float32
+    fixed-point ``scale`` when ``deterministic``."""
     cdtype = _DTYPES[dtype_name]
     T, S, K = cute.sym_int(), cute.sym_int(), cute.sym_int()
 
@@ -799,13 +861,15 @@ def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_
         fake(cutlass.Int32, (T, K), 4),  # indices
         fake(cutlass.Int32, (T,), 4) if has_topk_length else None,  # topk_length
         per_token(cdtype, d_qk),  # dq
-        fake(cutlass.Float32, (S, d_qk), 16),  # dkv_accum
+        fake(cutlass.Int64 if deterministic else cutlass.Float32, (S, d_qk), 16),  # dkv_accum
         fake(cutlass.Int32, (T,), 4) if has_positions else None,  # q_positions
         fake(cutlass.Float32, (T, heads), 4) if has_dlse else None,  # dlse
         fake(cutlass.Float32, (T, heads), 4) if writes_dpsum else None,  # dpsum out
+        fake(cutlass.Float32, (1,), 4) if deterministic else None,  # fixed-point scale
         cutlass.Float32(1.0),  # sm_scale
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     kernel = SparseMlaBackwardSm90(cdtype, heads, d_qk, d_v, has_topk_length, has_o_lo,
-                                   has_positions, has_dlse, writes_dpsum, gather_evict_first)
+                                   has_positions, has_dlse, writes_dpsum, gather_evict_first,
+                                   deterministic)
     return cute.compile(kernel, *args, options="--enable-tvm-ffi")

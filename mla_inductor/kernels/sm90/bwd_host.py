@@ -23,19 +23,21 @@ _CACHE = KernelCache("mla_sm90_bwd")
 def compile_key(dtype: torch.dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
                 has_o_lo: bool = True, arch: str = "sm_90a", *, has_positions: bool = False,
                 has_dlse: bool = False, writes_dpsum: bool = False,
-                gather_evict_first: bool = False) -> tuple:
+                gather_evict_first: bool = False, deterministic: bool = False) -> tuple:
     """The static compile key: T, S and topk are symbolic; the head count is static, and so
     are whether ``topk_length``, a non-empty ``o_lo`` (read for dpsum only when passed), causal
-    positions and dlse are passed, whether dpsum is written out and whether the gathers carry
-    an L2 evict_first policy (:func:`gathers_evict_first`). The arch is last."""
+    positions and dlse are passed, whether dpsum is written out, whether the gathers carry
+    an L2 evict_first policy (:func:`gathers_evict_first`) and whether dkv is accumulated in
+    64-bit fixed point (``deterministic``). The arch is last."""
     return (str(dtype).removeprefix("torch."), int(heads), int(d_qk), int(d_v),
             bool(has_topk_length), bool(has_o_lo), bool(has_positions), bool(has_dlse),
-            bool(writes_dpsum), bool(gather_evict_first), arch)
+            bool(writes_dpsum), bool(gather_evict_first), bool(deterministic), arch)
 
 
-def gathers_evict_first(kv: torch.Tensor) -> bool:
+def gathers_evict_first(kv: torch.Tensor, accum_bytes: int = 4) -> bool:
     """Whether the backward's kv gathers carry an L2 evict_first policy: True when kv and the
-    fp32 dkv accumulator (``S * d_qk * (kv.element_size() + 4)`` bytes) do not fit in the
+    dkv accumulator (``S * d_qk * (kv.element_size() + accum_bytes)`` bytes: 4 for float32, 8
+    for the deterministic int64 one) do not fit in the
     device's L2 (torch's ``L2_cache_size``, 60 MiB on the H200) together, so that the streamed
     kv rows make way for the accumulator's lines (H200: 1.3-3.2% faster at S = 32768; when both
     fit, the policy cost 2%: the module docstring of :mod:`.bwd`).
@@ -48,7 +50,7 @@ def gathers_evict_first(kv: torch.Tensor) -> bool:
         torch's own error (ValueError; AssertionError in a torch built without CUDA) for a
             ``kv`` that is not on a CUDA device.
     """
-    return kv.numel() * (kv.element_size() + 4) > _l2_bytes(kv.device)
+    return kv.numel() * (kv.element_size() + accum_bytes) > _l2_bytes(kv.device)
 
 
 @functools.cache
@@ -66,12 +68,14 @@ def get_kernel(key: tuple):
 
 def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads=(128,),
                         d_qk: int = 576, d_v: int = 512, topk_length=(False, True),
-                        o_lo=(True,), gather_evict_first=(False,)) -> dict:
+                        o_lo=(True,), gather_evict_first=(False,),
+                        deterministic=(False,)) -> dict:
     """Compiles the backward kernel for ``arch`` without a GPU, for every combination of
     ``dtypes`` x ``heads`` x ``topk_length`` x ``o_lo`` (whether the forward's o_lo is passed:
     a training forward always returns it) x ``gather_evict_first`` (add True for kv too long
-    to fit in L2 with its accumulator: :func:`gathers_evict_first`); returns ``{compile_key:
-    fn}`` (also cached).
+    to fit in L2 with its accumulator: :func:`gathers_evict_first`) x ``deterministic`` (add
+    True for the fixed-point dkv of ``torch.use_deterministic_algorithms(True)``); returns
+    ``{compile_key: fn}`` (also cached).
 
     Raises:
         ValueError: for an arch other than ``sm_90a``.
@@ -84,14 +88,15 @@ def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads
             for with_len in topk_length:
                 for with_o_lo in o_lo:
                     for evict_first in gather_evict_first:
-                        key = compile_key(dtype, h, d_qk, d_v, with_len, with_o_lo, arch,
-                                          gather_evict_first=evict_first)
-                        compiled[key] = get_kernel(key)
+                        for det in deterministic:
+                            key = compile_key(dtype, h, d_qk, d_v, with_len, with_o_lo, arch,
+                                              gather_evict_first=evict_first, deterministic=det)
+                            compiled[key] = get_kernel(key)
     return compiled
 
 
 def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum, *,
-                  q_positions=None, dlse=None, dpsum_out=None):
+                  q_positions=None, dlse=None, dpsum_out=None, dkv_scale=None):
     """Runs the main kernel (its prologue computes dpsum and lse in log2 units); returns
     ``dq [T, H, d_qk]`` (q's dtype) and adds the dkv gradient into ``dkv_accum`` (``[S, d_qk]``
     float32, contiguous, 16-byte aligned; rows of empty slots are never touched).
@@ -104,6 +109,9 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     int32 (causal: slots naming a key past the token's position are empty), ``dlse [T, H]``
     float32 (the gradient reaching lse: the kernel uses ``dpsum - dlse``) and ``dpsum_out
     [T, H]`` float32, contiguous, which receives ``dpsum - dlse`` (for the sink's gradient).
+    ``dkv_scale [1]`` float32 (with an int64 ``dkv_accum``): the deterministic path, which adds
+    ``round(dkv term * dkv_scale)`` into the int64 accumulator in the column order of
+    :func:`dkv_fixed_interleave` (:func:`fixed_point_scale` chooses the scale).
 
     ``dkv_accum`` is in the kernel's **interleaved column order** (see :func:`dkv_interleave`):
     columns are permuted within aligned groups of 16, rows are not moved. A zeroed buffer needs no
@@ -132,9 +140,14 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
                          f"{o_lo.dtype}, {lse.dtype}")
     if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != T:
         raise ValueError(f"indices must be int32 [T, topk], got {indices.dtype} {tuple(indices.shape)}")
-    if (dkv_accum.dtype != torch.float32 or tuple(dkv_accum.shape) != (S, d_qk)
+    deterministic = dkv_scale is not None
+    accum_dtype = torch.int64 if deterministic else torch.float32
+    if (dkv_accum.dtype != accum_dtype or tuple(dkv_accum.shape) != (S, d_qk)
             or not dkv_accum.is_contiguous() or dkv_accum.data_ptr() % 16 != 0):
-        raise ValueError("dkv_accum must be a contiguous, 16-byte aligned float32 [S, d_qk] tensor")
+        raise ValueError(f"dkv_accum must be a contiguous, 16-byte aligned {accum_dtype} [S, d_qk] "
+                         "tensor (int64 exactly when dkv_scale is passed)")
+    if deterministic and (dkv_scale.dtype != torch.float32 or dkv_scale.numel() != 1):
+        raise ValueError("dkv_scale must be a float32 tensor of one element")
     if dpsum_out is not None and (dpsum_out.dtype != torch.float32 or tuple(dpsum_out.shape) != (T, H)
                                   or not dpsum_out.is_contiguous()):
         raise ValueError("dpsum_out must be a contiguous float32 [T, H] tensor")
@@ -151,30 +164,39 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     fn = get_kernel(compile_key(q.dtype, H, d_qk, d_v, tlen is not None, has_o_lo,
                                 has_positions=qpos is not None, has_dlse=dlse is not None,
                                 writes_dpsum=dpsum_out is not None,
-                                gather_evict_first=gathers_evict_first(kv)))
+                                gather_evict_first=gathers_evict_first(kv, dkv_accum.element_size()),
+                                deterministic=deterministic))
     q, kv, dout, out = (contiguous_aligned(x) for x in (q, kv, dout, out))
     fn(q, kv, dout, out, contiguous_aligned(o_lo) if has_o_lo else None, lse.contiguous(),
-       indices.contiguous(), tlen, dq, dkv_accum, qpos, dlse, dpsum_out, float(sm_scale))
+       indices.contiguous(), tlen, dq, dkv_accum, qpos, dlse, dpsum_out,
+       dkv_scale.contiguous() if deterministic else None, float(sm_scale))
     return dq
 
 
 def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, *,
-             q_positions=None, attn_sink=None, dlse=None):
+             q_positions=None, attn_sink=None, dlse=None, deterministic=False):
     """The whole SM90 backward: returns ``(dq, dkv, d_sink)``, ``dq [T, H, d_qk]`` in q's dtype,
     ``dkv [S, d_qk]`` in kv's dtype (fp32 accumulation, empty slots never written) and, when
     ``attn_sink [H]`` float32 is given, ``d_sink [H]`` float32 ``= -sum_t exp(sink - lse) *
-    (dpsum - dlse)`` (else None). Inputs as :func:`backward_into`.
+    (dpsum - dlse)`` (else None). Inputs as :func:`backward_into`. With ``deterministic``, dkv
+    is accumulated in 64-bit fixed point (:func:`fixed_point_scale`) instead of with float32
+    atomics, so that it is bitwise the same in every run (dq and d_sink always are: no
+    atomics); the accumulator then takes ``S * d_qk * 8`` bytes instead of 4.
 
     Raises:
         ValueError: as :func:`backward_into`.
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
-    dkv_accum = torch.zeros(kv.shape[0], q.shape[2], dtype=torch.float32, device=kv.device)
+    accum_dtype = torch.int64 if deterministic else torch.float32
+    dkv_accum = torch.zeros(kv.shape[0], q.shape[2], dtype=accum_dtype, device=kv.device)
+    scale = inverse = None
+    if deterministic:
+        scale, inverse = fixed_point_scale(dout, q, kv, dlse, sm_scale, d_v)
     dpsum = None
     if attn_sink is not None:
         dpsum = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     dq = backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum,
-                       q_positions=q_positions, dlse=dlse, dpsum_out=dpsum)
+                       q_positions=q_positions, dlse=dlse, dpsum_out=dpsum, dkv_scale=scale)
     d_sink = None
     if attn_sink is not None:
         sink = attn_sink.float()[None, :]
@@ -183,7 +205,64 @@ def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, *
         p_sink = torch.where(sink == lse, 1.0, torch.exp(sink - lse))
         p_sink = torch.where(torch.isneginf(lse), 0.0, p_sink)
         d_sink = -(p_sink * dpsum).sum(0)
+    if deterministic:
+        return dq, dkv_from_fixed(dkv_accum, inverse, kv.dtype), d_sink
     return dq, dkv_from_accum(dkv_accum, kv.dtype), d_sink
+
+
+# Bits kept free above the bound of fixed_point_scale: the bound covers every partial sum, and
+# the kernel's bf16 rounding of P and dS adds at most 1% to it.
+_FIXED_HEADROOM = 2
+
+
+def fixed_point_scale(dout, q, kv, dlse, sm_scale, d_v):
+    """The deterministic backward's fixed-point scale, computed on the device (no host
+    synchronisation): ``(scale [1] float32, inverse [] float64)``, ``scale = 2**k`` with ``k``
+    the largest integer such that ``B * scale <= 2**(63 - 2)`` for a bound ``B`` on every dkv
+    entry and every partial sum of its terms:
+
+        B = T * H * (max|dout| + sm_scale * max|q| * (2 * d_v * max|dout| * max|kv| + max|dlse|))
+
+    (per token and head the slots' softmax weights sum to at most 1, which bounds the
+    ``P^T.dO`` terms; ``|dP|`` and ``|dpsum|`` are at most ``d_v * max|dout| * max|kv|``, which
+    bounds the ``dS^T.Q`` ones). ``k`` is clamped to [-126, 126], float32's normal range. One
+    term's rounding is at most ``2**-(k+1)``, about ``2**-62 * B``: far below float32's
+    rounding, let alone bf16's. A non-finite bound (inf or NaN in an input) makes ``inverse``
+    NaN, so that dkv is NaN rather than a silently wrong number. Raises nothing.
+    """
+    T, H = q.shape[0], q.shape[1]
+    zero = torch.zeros((), dtype=torch.float64, device=q.device)
+
+    def amax(x):
+        return zero if x is None or x.numel() == 0 else x.abs().amax().to(torch.float64)
+
+    m_do, m_q, m_kv, m_dlse = amax(dout), amax(q), amax(kv), amax(dlse)
+    bound = T * H * (m_do + float(sm_scale) * m_q * (2 * d_v * m_do * m_kv + m_dlse))
+    finite = torch.isfinite(bound)
+    k = (63 - _FIXED_HEADROOM) - torch.ceil(torch.log2(torch.where(finite, bound, 1.0)))
+    k = k.clamp(-126, 126)  # a zero bound (log2 = -inf) gives 126
+    scale = torch.exp2(k).to(torch.float32).reshape(1)
+    inverse = torch.where(finite, torch.exp2(-k), torch.nan)
+    return scale, inverse
+
+
+def dkv_from_fixed(dkv_accum: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Postprocess of the deterministic path: the int64 accumulator ``dkv_accum [S, d]`` (column
+    order :func:`dkv_fixed_interleave`) times ``inverse`` (the scale's inverse, float64) ->
+    plain-order ``[S, d]`` dkv in ``dtype`` (through float64: exact to 2**-53 relative)."""
+    S, d = dkv_accum.shape
+    plain = dkv_accum.view(S, d // _GROUP, 2, 2, 4).permute(0, 1, 2, 4, 3).reshape(S, d)
+    return (plain.to(torch.float64) * inverse).to(dtype)
+
+
+def dkv_fixed_interleave(x: torch.Tensor) -> torch.Tensor:
+    """Plain ``[S, d]`` (``d`` a multiple of 16) -> the deterministic accumulator's column order,
+    same dtype (a contiguous copy): within every aligned group of 16 columns, column ``8 * jh +
+    2 * q + e`` (jh, e in {0, 1}, q in 0..3) is stored at ``8 * jh + 4 * e + q``, so that 16
+    lanes of a warp add one key's group with one ``red.global.add.u64`` each, to 16 consecutive
+    words (:meth:`.bwd.SparseMlaBackwardSm90.scatter_fixed`). Rows are not moved."""
+    S, d = x.shape
+    return x.view(S, d // _GROUP, 2, 4, 2).permute(0, 1, 2, 4, 3).reshape(S, d)
 
 
 def dkv_from_accum(dkv_accum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -76,6 +76,24 @@ def red_add_f32x4(addr: Int64, a: Float32, b: Float32, c: Float32, d: Float32, p
 
 
 @dsl_user_op
+def red_add_fixed64(addr: Int64, x: Float32, pred: Int32, policy: Int64, *, loc=None,
+                    ip=None) -> None:
+    """Adds ``x`` (already multiplied by the fixed-point scale) to the signed 64-bit integer at
+    ``addr`` (8-byte aligned): ``cvt.rni.s64.f32`` (round to nearest even), then
+    ``red.global.add.u64`` with an L2 ``policy`` (:func:`create_policy`), issued iff
+    ``pred != 0``. Two's-complement addition is associative, so the sum of any set of such
+    adds is the same in every order."""
+    _asm(
+        "{\n.reg .pred p;\n.reg .s64 v;\nsetp.ne.b32 p, $2, 0;\ncvt.rni.s64.f32 v, $1;\n"
+        "@p red.relaxed.gpu.global.add.L2::cache_hint.u64 [$0], v, $3;\n}",
+        "l,f,r,l",
+        (Int64(addr), Float32(x), Int32(pred), Int64(policy)),
+        loc=loc,
+        ip=ip,
+    )
+
+
+@dsl_user_op
 def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
     """``x``, through a volatile move: values derived from it are recomputed where they are used
     instead of being hoisted out of the loop (and kept live in registers) by the compiler."""
