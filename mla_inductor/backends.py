@@ -113,7 +113,8 @@ def _fall_back(direction: str, reason: str) -> ModuleType:
     return module("reference")
 
 
-def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims) -> ModuleType:
+def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims,
+          deterministic=None) -> ModuleType:
     if device.type != "cuda":
         return module("reference")
     if dtype == torch.float32:
@@ -133,7 +134,7 @@ def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims) -> Mod
         ok, reason = _supports(candidate, dtype, direction, dims)
     if not ok:
         return _fall_back(direction, reason)
-    check_deterministic(arch, direction)
+    check_deterministic(arch, direction, deterministic)
     return candidate
 
 
@@ -142,7 +143,8 @@ def _op(direction: str) -> str:
     return "lightning_indexer" if direction == "lightning_indexer" else "sparse_mla"
 
 
-def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) -> ModuleType:
+def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None, *,
+           deterministic=None) -> ModuleType:
     """The backend module that runs ``direction`` (``"forward"``, ``"backward"``,
     ``"indexer_target"`` or ``"lightning_indexer"``: the protocol function of
     :mod:`mla_inductor.kernels` it calls).
@@ -157,7 +159,9 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) 
     runs the reference; a forced backend without a backward pairs with the reference backward
     silently, and so does a forced ``emulate`` without the function (the lightning indexer,
     whose kernels' arithmetic, float32 scores and an exact selection, is the reference's): both
-    are PyTorch on any device, so there is nothing to warn about.
+    are PyTorch on any device, so there is nothing to warn about. ``deterministic`` (None:
+    ``torch.are_deterministic_algorithms_enabled()`` now) is what :func:`check_deterministic`
+    checks.
 
     Raises:
         RuntimeError: when the requested backend cannot run here; the message names what is
@@ -166,7 +170,7 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) 
     """
     name = requested()
     if name == "auto":
-        return _auto(device, dtype, direction, dims)
+        return _auto(device, dtype, direction, dims, deterministic)
     try:
         chosen = module(name)
     except ImportError as error:
@@ -192,32 +196,34 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None) 
         return module("reference")
     if not hasattr(chosen, direction):
         return _fall_back(direction, f"the {name} backend has no {direction} kernel yet")
-    check_deterministic(name, direction)
+    check_deterministic(name, direction, deterministic)
     return chosen
 
 
 # The (backend, direction) pairs whose results may differ from run to run, and why. A
 # deterministic path for one of them removes its entry.
 NONDETERMINISTIC = {
-    ("sm90", "backward"): "dkv is accumulated with float32 atomic adds",
     ("sm100", "backward"): "FlashAttention-4's sparse backward accumulates dkv with float32 "
                            "atomic adds",
 }
 
 
-def check_deterministic(name: str, direction: str) -> None:
+def check_deterministic(name: str, direction: str, deterministic=None) -> None:
     """PyTorch's rule for an op without a deterministic implementation, for the backend ``name``
-    running ``direction``: under ``torch.use_deterministic_algorithms(True)`` it raises (with
-    ``warn_only=True`` it warns) in PyTorch's wording; otherwise, or for a pair that is not in
-    :data:`NONDETERMINISTIC` (the reference and emulate backends, every forward, the indexer
-    target), it does nothing.
+    running ``direction``: when ``deterministic`` (None: under
+    ``torch.use_deterministic_algorithms(True)``) it raises (with ``warn_only=True`` it warns)
+    in PyTorch's wording; otherwise, or for a pair that is not in :data:`NONDETERMINISTIC`
+    (every backend but sm100's backward: the reference and emulate backends, sm90's
+    fixed-point backward, every forward, the indexer target), it does nothing.
 
     Raises:
         RuntimeError: the pair is non-deterministic and deterministic algorithms are on (not
             warn-only).
     """
     reason = NONDETERMINISTIC.get((name, direction))
-    if reason is None or not torch.are_deterministic_algorithms_enabled():
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    if reason is None or not deterministic:
         return
     message = (
         f"sparse_mla: the {name} {direction} does not have a deterministic implementation "

@@ -147,6 +147,7 @@ def sparse_mla_bwd(
     o_lo: Tensor,
     sm_scale: float,
     d_v: int,
+    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sparse-MLA backward on the backend :mod:`mla_inductor.backends` selects.
 
@@ -158,9 +159,17 @@ def sparse_mla_bwd(
     that no valid slot references get exact zeros) and ``d_sink [H]`` float32 ``= -sum_t
     P_sink (dpsum - dlse)`` with a sink, else an empty float32 tensor.
 
+    ``deterministic``: results bitwise identical from run to run (dkv accumulated in 64-bit
+    fixed point on sm90; the reference and emulate backends run under PyTorch's deterministic
+    mode). The autograd formula passes ``torch.are_deterministic_algorithms_enabled()`` as it
+    is when the backward is traced, so under ``torch.compile`` the choice is made at capture
+    (Dynamo guards on the mode: switching it recompiles).
+
     Raises:
         RuntimeError: the input checks of :mod:`mla_inductor.validation` (also from the fake
-            kernel at trace time), or a forced backend that cannot run here.
+            kernel at trace time), a forced backend that cannot run here, or ``deterministic``
+            on a backend without a deterministic backward (sm100; PyTorch's wording, a warning
+            under ``warn_only=True``).
     """
     check_backward_inputs(dout, q, kv, indices, topk_length, out, lse, o_lo, d_v)
     check_features(q, q_positions, attn_sink)
@@ -168,7 +177,7 @@ def sparse_mla_bwd(
     check_sm_scale(sm_scale)
     dims = _dims(q, kv, d_v, causal=q_positions is not None, sink=attn_sink is not None,
                  dlse=dlse is not None)
-    backend = backends.select(q.device, q.dtype, "backward", dims)
+    backend = backends.select(q.device, q.dtype, "backward", dims, deterministic=deterministic)
     dq, dkv, d_sink = backend.backward(
         dout.contiguous(),
         _contiguous(dlse),
@@ -183,13 +192,14 @@ def sparse_mla_bwd(
         o_lo.contiguous(),
         sm_scale,
         d_v,
+        deterministic=deterministic,
     )
     return dq, dkv, q.new_empty(0, dtype=torch.float32) if d_sink is None else d_sink
 
 
 @sparse_mla_bwd.register_fake
 def _(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo, sm_scale,
-      d_v):
+      d_v, deterministic=False):
     check_backward_inputs(dout, q, kv, indices, topk_length, out, lse, o_lo, d_v)
     check_features(q, q_positions, attn_sink)
     check_dlse(dlse, lse)
@@ -225,6 +235,7 @@ def _backward(ctx, dout, dlse, _do_lo, _dmax_logits):
     dq, dkv, d_sink = sparse_mla_bwd(
         dout.contiguous(), None if dlse is None else dlse.contiguous(), q, kv, indices,
         topk_length, q_positions, attn_sink, out, lse, o_lo, ctx.sm_scale, ctx.d_v,
+        torch.are_deterministic_algorithms_enabled(),
     )
     return (_placed_like(dq, q), _placed_like(dkv, kv), None, None, None,
             None if attn_sink is None else _placed_like(d_sink, attn_sink),

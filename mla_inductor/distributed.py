@@ -133,7 +133,7 @@ def register() -> None:
 
     @register_sharding(torch.ops.mla_inductor.sparse_mla_bwd.default)
     def _bwd(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
-             sm_scale, d_v):
+             sm_scale, d_v, deterministic=False):
         found = []
         for row, token, sink, dkv, d_sink in rules:
             outputs = [row, dkv, R if attn_sink is None else d_sink]

@@ -203,3 +203,90 @@ def test_misaligned_accumulator_rejected():
     with pytest.raises(ValueError):
         bwd_host.backward_into(dout, q, kv, indices, None, dout, lse, lse.new_empty(0), 0.1, 512,
                                buf[1:].view(32, 576))
+
+
+# -- the deterministic backward (dkv in 64-bit fixed point) -----------------------------------
+
+
+def _det_case(T, H, S, topk, seed, causal, sink):
+    q, kv, dout, indices, _ = _case(T, H, 576, 512, S, topk, seed=seed)
+    pos = torch.randint(S // 2, S, (T,), device="cuda", dtype=torch.int32) if causal else None
+    attn_sink = torch.randn(H, device="cuda") if sink else None
+    return q, kv, dout, indices, pos, attn_sink
+
+
+@pytest.mark.parametrize("causal,sink", [(False, False), (True, True)])
+def test_deterministic_gradients_vs_fp64(causal, sink):
+    """The fixed-point backward against fp64 autograd at H 128, topk 2048: dq, dkv and d_sink
+    within the same bound as the default backward (1.5x the bf16 floor; d_sink, float32, to
+    1e-5), untouched kv rows exactly 0."""
+    T, H, S, topk = 32, 128, 4096, 2048
+    q, kv, dout, indices, pos, attn_sink = _det_case(T, H, S, topk, 5, causal, sink)
+    sm_scale = 576**-0.5
+    q64, kv64 = q.double().requires_grad_(), kv.double().requires_grad_()
+    sink64 = attn_sink.double().requires_grad_() if sink else None
+    out64, lse64 = reference_sparse_mla_fp64(q64, kv64, indices, None, sm_scale, 512,
+                                             q_positions=pos, attn_sink=sink64)
+    (out64 * dout.double()).sum().backward()
+    out = out64.detach().to(q.dtype)
+    o_lo = (out64.detach() - out.double()).to(q.dtype)
+    dq, dkv, d_sink = bwd_host.backward(dout, q, kv, indices, None, out, lse64.detach().float(),
+                                        o_lo, sm_scale, 512, q_positions=pos, attn_sink=attn_sink,
+                                        deterministic=True)
+    torch.cuda.synchronize()
+    assert dkv.dtype == kv.dtype and torch.isfinite(dkv).all()
+    err_dq, err_dkv = rel_l2(dq, q64.grad), rel_l2(dkv, kv64.grad)
+    floor_dq, floor_dkv = rel_l2(q64.grad.bfloat16(), q64.grad), rel_l2(kv64.grad.bfloat16(), kv64.grad)
+    print(f"deterministic causal={causal} sink={sink}: dq {err_dq:.3e} (floor {floor_dq:.3e}), "
+          f"dkv {err_dkv:.3e} (floor {floor_dkv:.3e})")
+    assert err_dq <= 1.5 * floor_dq
+    assert err_dkv <= 1.5 * floor_dkv
+    if sink:
+        assert rel_l2(d_sink, sink64.grad) < 1e-5
+    valid = _valid(indices.long(), None, S)
+    if causal:
+        valid &= indices.long() <= pos.long()[:, None]
+    touched = torch.zeros(S, dtype=torch.bool, device="cuda")
+    touched[indices.long()[valid]] = True
+    assert (dkv[~touched] == 0).all()
+
+
+@pytest.mark.parametrize("causal,sink", [(False, False), (True, True)])
+def test_deterministic_bitwise_over_runs_streams_and_graph_replay(causal, sink):
+    """At T 4096, S 8192, H 128, topk 2048: dq, dkv and d_sink bitwise identical over 5 runs,
+    a run on a second stream and a CUDA-graph replay; dkv equal to the default (float32
+    atomics) backward's to its rounding."""
+    T, H, S, topk = 4096, 128, 8192, 2048
+    q, kv, dout, indices, pos, attn_sink = _det_case(T, H, S, topk, 6, causal, sink)
+    sm_scale = 576**-0.5
+    from mla_inductor.kernels.sm90 import fwd_host
+
+    out, lse, o_lo, _ = fwd_host.forward(q, kv, indices, None, sm_scale, 512, 0.0, True,
+                                         q_positions=pos, attn_sink=attn_sink)
+
+    def run():
+        dq, dkv, d_sink = bwd_host.backward(dout, q, kv, indices, None, out, lse, o_lo, sm_scale,
+                                            512, q_positions=pos, attn_sink=attn_sink,
+                                            deterministic=True)
+        return [dq, dkv] + ([d_sink] if sink else [])
+
+    first = run()
+    for _ in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(first, run()))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        on_side = run()
+    torch.cuda.current_stream().wait_stream(side)
+    assert all(torch.equal(a, b) for a, b in zip(first, on_side))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(first, captured))
+    default = bwd_host.backward(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, 512,
+                                q_positions=pos, attn_sink=attn_sink)
+    assert torch.equal(default[0], first[0])  # dq has no atomics on either path
+    assert rel_l2(first[1], default[1]) < 1e-4
+

@@ -30,7 +30,7 @@ rescale_threshold, return_o_lo, return_max_logits) -> (out, lse, o_lo, max_logit
     threshold) when ``return_max_logits`` else an empty float32 tensor.
 
 ``backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
-sm_scale, d_v) -> (dq, dkv, d_sink)``
+sm_scale, d_v, deterministic=False) -> (dq, dkv, d_sink)``
     ``dout [T, H, d_v]``, ``dlse [T, H]`` float32 or ``None`` (the gradient reaching lse),
     the rest as the forward's arguments and outputs (``o_lo`` may be empty). The kernel backends
     (and ``emulate``) form ``dpsum = rowsum(dout * (out + o_lo))`` in fp32 (``rowsum(dout *
@@ -38,7 +38,8 @@ sm_scale, d_v) -> (dq, dkv, d_sink)``
     reading none of out, lse, o_lo. ``dS = P (dP - dpsum + dlse)``. Returns contiguous
     ``dq [T, H, d_qk]`` in q's dtype, ``dkv [S, d_qk]`` in kv's dtype (fp32 accumulation; empty
     slots never written) and ``d_sink [H]`` float32 ``= -sum_t P_sink (dpsum - dlse)`` with a
-    sink, else ``None``.
+    sink, else ``None``. ``deterministic``: bitwise the same results in every run (sm90: dkv in
+    64-bit fixed point; reference and emulate: under PyTorch's deterministic mode).
 
 ``indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale) -> target``
 (optional)

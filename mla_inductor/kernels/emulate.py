@@ -184,19 +184,21 @@ def forward(
 
 
 def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
-             sm_scale, d_v):
+             sm_scale, d_v, deterministic=False):
     """The kernels' backward arithmetic where it differs from the textbook: ``dpsum`` is formed
     from the forward's output, ``rowsum(dout * (out + o_lo))`` in fp32 (``rowsum(dout * out)``
     when ``o_lo`` is empty), as the SM90 and SM100 kernels form it; the rest is
     :func:`mla_inductor.kernels.reference.gradients` (P recomputed from the scores in fp32,
     ``dpsum - dlse`` for the gradient through lse, the sink's gradient), with the dpsum form on
     every key as the kernels use it, the dominant key's included (its ``dP - dpsum`` cancels on
-    very peaked rows: the peakedness ladder of :mod:`mla_inductor.numerics`)."""
+    very peaked rows: the peakedness ladder of :mod:`mla_inductor.numerics`). ``deterministic``
+    as the reference's (:func:`mla_inductor.kernels.reference.deterministic_mode`)."""
     o_full = out.float() + o_lo.float() if o_lo.numel() else out.float()
     dpsum = (dout.float() * o_full).sum(-1)  # [T, H]
-    return reference.gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum,
-                               q_positions=q_positions, attn_sink=attn_sink, dlse=dlse,
-                               dominant_from_row=False)
+    with reference.deterministic_mode(deterministic):
+        return reference.gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum,
+                                   q_positions=q_positions, attn_sink=attn_sink, dlse=dlse,
+                                   dominant_from_row=False)
 
 
 def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):

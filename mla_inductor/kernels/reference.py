@@ -28,6 +28,7 @@ gradients are in :mod:`mla_inductor.kernels.reference_lightning_scores` (both ex
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -147,7 +148,7 @@ def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, 
 
 
 def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
-             sm_scale, d_v):
+             sm_scale, d_v, deterministic=False):
     """Reference backward; see the backend protocol in :mod:`mla_inductor.kernels`.
 
     The textbook fp32 gradients of the softmax (:func:`gradients` with ``dpsum = None``): P is
@@ -155,10 +156,30 @@ def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, ou
     that P. ``out``, ``lse`` and ``o_lo`` are not read: lse's fp32 rounding (about
     ``|lse| * 2**-24``) would be a gain error on P, and ``rowsum(dout * out)`` cancels against
     ``dP`` of the dominant key on peaked rows (the kernels' form, see
-    :func:`mla_inductor.kernels.emulate.backward`).
+    :func:`mla_inductor.kernels.emulate.backward`). With ``deterministic`` it runs under
+    PyTorch's deterministic mode (:func:`deterministic_mode`).
     """
-    return gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, q_positions=q_positions,
-                     attn_sink=attn_sink, dlse=dlse)
+    with deterministic_mode(deterministic):
+        return gradients(dout, q, kv, indices, topk_length, sm_scale, d_v,
+                         q_positions=q_positions, attn_sink=attn_sink, dlse=dlse)
+
+
+@contextlib.contextmanager
+def deterministic_mode(on: bool):
+    """PyTorch's deterministic mode for the block when ``on`` (and not already on), restored
+    after it: dkv's ``index_add_`` is then deterministic on CUDA too (PyTorch's list of ops
+    that act deterministically under ``torch.use_deterministic_algorithms(True)``); on a CPU it
+    always is. Lets a backward traced with the mode on stay deterministic when it runs with
+    the mode off."""
+    if not on or torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False, warn_only=warn_only)
 
 
 def gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum=None, *, q_positions=None,

@@ -359,11 +359,14 @@ def backward(
     o_lo: Tensor,
     sm_scale: float,
     d_v: int,
+    deterministic: bool = False,
 ) -> tuple[Tensor, Tensor, None]:
     """Sparse-MLA backward on FA4's SM100 kernels (shapes, semantics: :mod:`mla_inductor.kernels`).
 
     ``dpsum = rowsum(dout * (out + o_lo))`` (o_lo in out's dtype, as FA4 stores it) or
-    ``rowsum(dout * out)`` when o_lo is empty. dk/dv accumulate in fp32 inside FA4.
+    ``rowsum(dout * out)`` when o_lo is empty. dk/dv accumulate in fp32 inside FA4, with
+    atomics: ``deterministic`` is refused before this is called (``backends.NONDETERMINISTIC``)
+    and not read here.
 
     Raises:
         NotImplementedError: as :func:`forward`, for a gradient reaching lse, and for fp16 with

@@ -133,12 +133,13 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
 
 
 def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
-             sm_scale, d_v):
+             sm_scale, d_v, deterministic=False):
     """See :func:`mla_inductor.kernels.sm90.bwd_host.backward`."""
     from . import bwd_host
 
     return bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v,
-                             q_positions=q_positions, attn_sink=attn_sink, dlse=dlse)
+                             q_positions=q_positions, attn_sink=attn_sink, dlse=dlse,
+                             deterministic=deterministic)
 
 
 def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
