@@ -37,6 +37,7 @@ the indexer is trained), or there was a graph break.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import math
@@ -81,6 +82,7 @@ class Config:
     dtype: Optional[str] = None
     threads: Optional[int] = None
     seed: int = 0
+    deterministic: bool = False  # torch.use_deterministic_algorithms(True) for the run
 
     def resolved(self) -> "Config":
         """On CUDA: bfloat16 and DeepSeek's d_latent 512, d_rope 64 and index head width
@@ -465,7 +467,10 @@ def sample(compiled, cfg: Config, g: torch.Generator) -> str:
 def run(cfg: Config, out: Callable[[str], None] = print) -> Report:
     """Trains, evaluates and samples as configured, printing through ``out``; returns the
     measurements. Resets ``torch._dynamo`` (caches and counters) first; sets torch's CPU thread
-    count for the run and restores it after.
+    count for the run and restores it after, and so with PyTorch's deterministic mode when
+    ``cfg.deterministic`` (then two runs of one configuration give bitwise equal losses; on
+    CUDA it also sets ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` unless set, which deterministic
+    cuBLAS needs).
 
     Raises:
         ValueError: ``steps < 2`` (the run checks that the loss falls from its first steps to its
@@ -478,8 +483,24 @@ def run(cfg: Config, out: Callable[[str], None] = print) -> Report:
     if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {cfg.device!r}: this torch build or machine has no CUDA device "
                          "(omit --device to run on the CPU)")
-    with cpu_threads(cfg.threads):
+    with cpu_threads(cfg.threads), _deterministic(cfg.deterministic):
         return _run(cfg, out)
+
+
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """PyTorch's deterministic mode inside the block when ``on``, the previous mode after it."""
+    if not on:
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def _run(cfg: Config, out: Callable[[str], None]) -> Report:
@@ -496,7 +517,7 @@ def _run(cfg: Config, out: Callable[[str], None]) -> Report:
     if device.type == "cuda":
         where += f" ({torch.cuda.get_device_name(device)})"
     out(f"device {where}, dtype {cfg.dtype}, torch {torch.__version__}, "
-        f"{cfg.threads} CPU thread(s)")
+        f"{cfg.threads} CPU thread(s)" + (", deterministic algorithms" if cfg.deterministic else ""))
     out(f"backend requested: {backends.requested()}; in use: forward {names['forward']}, "
         f"backward {names['backward']}, indexer {names['lightning_indexer']}")
 
@@ -623,6 +644,9 @@ def parse_args(argv=None) -> Config:
     )
     p.add_argument("--threads", type=int, help="CPU threads (default: 1 on cpu, else torch's)")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed (data, init, sampling)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True): bitwise reproducible losses "
+                        "(on sm90 the backward accumulates dkv in 64-bit fixed point)")
     return Config(**vars(p.parse_args(argv)))
 
 

@@ -8,7 +8,10 @@ its SM90 DSA backward (attention sink of -inf per head, i.e. no sink) with the r
 cuDNN; ours and cuDNN's are timed in interleaved rounds
 (:func:`mla_inductor.bench.timing.time_ms_interleaved`), so that both see the same clock drift;
 with ``--protocol cooled`` both are timed as FlashMLA's benchmark times kernels
-(:func:`mla_inductor.bench.timing.time_ms_cooled`, means).
+(:func:`mla_inductor.bench.timing.time_ms_cooled`, means). With ``--deterministic`` the
+deterministic backward (dkv in 64-bit fixed point, what ``torch.use_deterministic_algorithms(True)``
+selects) is timed in the same rounds, with its time against the default one's and its extra
+memory (the int64 accumulator's 4 more bytes per dkv entry).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def _rel_l2(a, b, rows=4096):
 
 
 def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, protocol="sustained",
-              kv_per_token=2, features=False):
+              kv_per_token=2, features=False, deterministic=False):
     """Prints one line: the sm90 backward's time (ms) and TFLOPS at ``T`` tokens, S =
     ``kv_per_token`` x T, ``H`` heads, bf16, ``pattern`` indices (see
     :func:`mla_inductor.bench.problems.make_indices`), the same backward without o_lo (dpsum
@@ -77,6 +80,9 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
             fns[f"sm90 + {name}"] = (lambda kwargs=kwargs: bwd_host.backward(
                 dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v, **kwargs))
     cudnn_bwd = _cudnn_backward()
+    if deterministic:
+        fns["sm90, deterministic"] = lambda: bwd_host.backward(
+            dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v, deterministic=True)
     if cudnn_bwd is not None:
         sink = torch.full((H,), float("-inf"), dtype=torch.float32, device="cuda")
         fns["cudnn"] = lambda: cudnn_bwd(q, kv, out, dout, lse, sink, idx, softmax_scale=sm_scale)
@@ -92,6 +98,17 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
         agree = max(_rel_l2(ours[0], theirs["dq"]), _rel_l2(ours[1], theirs["dkv"]))
         line += f" | cuDNN {cudnn_ms:8.3f} ms {flops / cudnn_ms / 1e9:7.1f} TFLOPS " \
                 f"(ours/cuDNN {cudnn_ms / ms:.2f}x, gradients agree to rel-L2 {agree:.1e})"
+    if deterministic:
+        det = bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v,
+                                deterministic=True)[:2]
+        again = bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v,
+                                  deterministic=True)[:2]
+        same = all(torch.equal(a, b) for a, b in zip(det, again))
+        plain = bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)[:2]
+        line += f" | deterministic {times['sm90, deterministic']:8.3f} ms " \
+                f"({times['sm90, deterministic'] / ms:.3f}x time, +{S * d_qk * 4 / 2**20:.0f} MiB, " \
+                f"dkv vs default rel-L2 {_rel_l2(det[1], plain[1]):.1e}, " \
+                f"{'bitwise equal' if same else 'DIFFERENT'} on a second run)"
     for name in ("causal", "sink", "dlse"):
         if f"sm90 + {name}" in times:
             line += f" | + {name} {times[f'sm90 + {name}'] / ms:.3f}x time"
@@ -111,6 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--features", action="store_true",
                         help="also time the backward with causal positions, a sink (and its "
                              "gradient), and a gradient through lse, each against the plain one")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="also time the deterministic backward (dkv in 64-bit fixed point, "
+                             "chosen by torch.use_deterministic_algorithms(True)) against the "
+                             "default one")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -124,4 +145,4 @@ def run(args: argparse.Namespace) -> None:
                 bench_row(T, H, args.topk, pattern,
                           with_reference=not args.no_reference and T <= 4096,
                           protocol=args.protocol, kv_per_token=KV_LENGTHS[args.S],
-                          features=args.features)
+                          features=args.features, deterministic=args.deterministic)
