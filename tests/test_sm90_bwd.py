@@ -290,3 +290,34 @@ def test_deterministic_bitwise_over_runs_streams_and_graph_replay(causal, sink):
     assert torch.equal(default[0], first[0])  # dq has no atomics on either path
     assert rel_l2(first[1], default[1]) < 1e-4
 
+
+
+def test_deterministic_mode_eager_and_compiled_steps_are_bitwise_equal():
+    """Under torch.use_deterministic_algorithms(True), sparse_mla's gradients on sm90 are bitwise
+    equal over eager steps and steps of torch.compile (default and reduce-overhead)."""
+    import mla_inductor
+
+    T, H, S = 256, 128, 4096
+    q, kv, dout, indices, _, _ = _det_case(T, H, S, 2048, 7, False, False)
+
+    def step(fn):
+        qq, kk = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        fn(qq, kk).backward(dout)
+        return qq.grad.clone(), kk.grad.clone()
+
+    def f(a, b):
+        return mla_inductor.sparse_mla(a, b, indices)
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with mla_inductor.use_backend("sm90"):
+            runs = [step(f), step(f)]
+            for mode in (None, "reduce-overhead"):
+                torch._dynamo.reset()
+                compiled = torch.compile(f, mode=mode, fullgraph=True)
+                runs += [step(compiled) for _ in range(3)]
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for grads in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], grads))
