@@ -31,6 +31,13 @@ Stages (all on torch's current stream, capturable in CUDA graphs):
 2. postprocess (torch op, :func:`.bwd_host.dkv_from_accum`): un-interleave and cast to kv's
    dtype in one copy.
 
+The deterministic variant (compile-time ``deterministic``, chosen under
+``torch.use_deterministic_algorithms(True)``) accumulates into an int64 ``dkv_accum`` instead:
+each term times a power-of-two scale (a ``[1]`` float32 tensor, :func:`.bwd_host.fixed_point_scale`)
+is rounded to an integer and added with ``red.global.add.u64``, whose sum is the same in every
+order (:meth:`SparseMlaBackwardSm90.scatter_fixed`); its postprocess is
+:func:`.bwd_host.dkv_from_fixed`.
+
 The preprocess was three torch ops with fp32 temporaries (about 10 GB of traffic at T = 4096,
 H = 128, 2.7 ms of a 17.8 ms backward on the H200); inside the kernel it reads 2.1 GB once and
 costs about 0.75 ms (measured against a kernel without it, same run).
