@@ -457,11 +457,12 @@ def ladder(
 
     Per gap, ``sparse_mla_fwd`` (threshold 0.0, with ``o_lo``) and ``sparse_mla_bwd`` run under
     ``use_backend(backend)``: ``train`` with the forward's ``o_lo`` (the training path), ``no_o_lo``
-    (dpsum from out alone). On a CPU backend also, through the kernels' backward arithmetic
-    (:func:`mla_inductor.kernels.emulate.backward`, dpsum form on every key) given the
-    backend's out: ``o_lo_f32`` (``o_lo = float32(O) - out`` with O the float64 output rounded to
-    float32, i.e. a float32 O) and ``dominant_from_row`` (the bf16 o_lo, the dominant key's dS
-    from its row: :func:`mla_inductor.kernels.reference.gradients`).
+    (dpsum from out alone). On a CPU backend also, with the dpsum form ``P (dP - dpsum)`` on
+    every key, the dominant key's included (:func:`mla_inductor.kernels.reference.gradients`
+    with ``dominant_from_row=False``; the training path forms the dominant key's dS from its
+    row instead), given the backend's out: ``dpsum_form`` (the bf16 o_lo) and ``o_lo_f32``
+    (``o_lo = float32(O) - out`` with O the float64 output rounded to float32, i.e. a float32
+    O): what any precision of O gives without the dominant key's own form.
 
     Returns:
         A JSON-serialisable dict: the configuration and ``rungs``, one per gap, with the
@@ -471,7 +472,7 @@ def ladder(
     Raises:
         RuntimeError: if the backend cannot run on ``device``.
     """
-    from mla_inductor.kernels import emulate, reference
+    from mla_inductor.kernels import reference
 
     started = time.perf_counter()
     sm_scale = d_qk**-0.5
@@ -502,13 +503,12 @@ def ladder(
                 for key, residual in (("train", o_lo), ("no_o_lo", o_lo.new_empty(0)))
             }
         if device == "cpu" or str(device) == "cpu":
-            o_lo32 = ref.float() - out.float()
-            dq, dkv, _ = emulate.backward(dout, None, q, kv, idx, None, None, None, out, lse,
-                                          o_lo32, sm_scale, d_v)
-            runs["o_lo_f32"] = ratios(dq, dkv)
-            dpsum = (dout.float() * (out.float() + o_lo.float())).sum(-1)
-            dq, dkv, _ = reference.gradients(dout, q, kv, idx, None, sm_scale, d_v, dpsum)
-            runs["dominant_from_row"] = ratios(dq, dkv)
+            for key, o_full in (("dpsum_form", out.float() + o_lo.float()),
+                                ("o_lo_f32", ref.float())):
+                dpsum = (dout.float() * o_full).sum(-1)
+                dq, dkv, _ = reference.gradients(dout, q, kv, idx, None, sm_scale, d_v, dpsum,
+                                                 dominant_from_row=False)
+                runs[key] = ratios(dq, dkv)
         rungs.append({
             "gap": gap,
             "realised_gap": {"median": realised.median().item(), "min": realised.min().item()},
@@ -522,7 +522,8 @@ def ladder(
 
 
 _LADDER_COLUMNS = (("train", "bf16 o_lo (training path)"), ("no_o_lo", "no o_lo"),
-                   ("o_lo_f32", "float32 O"), ("dominant_from_row", "bf16 o_lo, dominant key from its row"))
+                   ("dpsum_form", "bf16 o_lo, dpsum form on every key"),
+                   ("o_lo_f32", "float32 O, dpsum form on every key"))
 
 
 def format_ladder(r: dict) -> str:

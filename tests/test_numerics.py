@@ -337,14 +337,17 @@ def test_order_invariance_training(backend, peaked):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lazy_threshold_fails_order_invariance(backend, peaked):
     """The same check with the lazy rescale forced: the dominant-last order carries a coherent
-    gain error (published 6.4x the noise floor; measured 7.4x here) and order-dependent grads."""
+    gain error in out (published 6.4x the noise floor; measured 7.4x here). The gradients
+    barely depend on the order: the dominant key's dS is formed from its row's P and dP, not
+    from dpsum = rowsum(dout * out), so out's gain error does not reach it (with the dpsum form
+    on every key, dq's error was over 1.2x larger in the dominant-last order)."""
     ref = peaked[3]
     runs = _run_orders(backend, peaked, 8.0)
     diff = N.compare_orders(runs["dominant_last"][0], runs["dominant_first"][0], ref)
     assert diff.ratio >= TEETH_BOUND, diff
     gain_last = N.gain_stats(N.row_gain(runs["dominant_last"][0], ref)).rms
     assert gain_last > 4 * N.output_floor(ref).row_gain_rms
-    assert runs["dominant_last"][1] > 1.2 * runs["dominant_first"][1]  # dq error
+    assert runs["dominant_last"][1] < 1.2 * runs["dominant_first"][1]  # dq error
 
 
 # ----------------------------------------------------------------------------- precise dpsum
@@ -352,10 +355,12 @@ def test_lazy_threshold_fails_order_invariance(backend, peaked):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("heads", [64, 16])  # 16: fewer heads than a 64-head tile (padded)
-def test_precise_dpsum(backend, heads):
-    """``o_lo`` makes dpsum precise on self-dominated rows (beta 0.4; the median self weight is
-    ~0.99 at this topk): out + o_lo beats out, and the gradients approach an ideal bf16 pipeline
-    (fp64 math on the bf16 inputs, gradients rounded to bf16)."""
+def test_self_dominated_rows_with_and_without_o_lo(backend, heads):
+    """Self-dominated rows (beta 0.4; the median self weight is ~0.99 at this topk): ``o_lo``
+    makes the forward's O precise (out + o_lo beats out), and the gradients are within 1.5x of
+    an ideal bf16 pipeline (fp64 math on the bf16 inputs, gradients rounded to bf16) with it and
+    without it: the dominant key's dS comes from its row, not from dpsum, and the other keys'
+    ``dP - dpsum`` does not cancel (the ladder's gap 2 is where o_lo still pays)."""
     T, topk = 256, 256
     q, kv = N.peaked_inputs(T, heads, alpha=N.SELF_ATTENTION_BETA, seed=7)
     idx = N.causal_topk_indices(T, topk, seed=8)
@@ -369,17 +374,16 @@ def test_precise_dpsum(backend, heads):
     with_lo = _backward(backend, dout, q, kv, idx, out, lse, o_lo)
 
     # dq and the key-only columns of dkv (the rope part, d_v:) depend on dpsum throughout; the
-    # value columns also hold dV = P^T dout, which does not, so all of dkv improves less.
+    # value columns also hold dV = P^T dout, which does not.
     pairs = {
         "dq": (without[0], with_lo[0], dq_ref),
         "dk_rope": (without[1][:, D_V:], with_lo[1][:, D_V:], dkv_ref[:, D_V:]),
         "dkv": (without[1], with_lo[1], dkv_ref),
     }
     for name, (a, b, r) in pairs.items():
-        err_without, err_with, ideal = N.rel_l2(a, r), N.rel_l2(b, r), N.output_floor(r).rel_l2
-        bound = 0.6 if name != "dkv" else 1.0
-        assert err_with < bound * err_without, (name, err_with, err_without)
-        assert err_with < 1.5 * ideal, (name, err_with, ideal)
+        ideal = N.output_floor(r).rel_l2
+        assert N.rel_l2(b, r) < 1.5 * ideal, (name, N.rel_l2(b, r), ideal)
+        assert N.rel_l2(a, r) < 1.5 * ideal, (name, N.rel_l2(a, r), ideal)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -486,38 +490,33 @@ def test_ladder_cpu_training_path_within_1_5x_of_ideal():
 
 
 def test_ladder_kernel_arithmetic_and_the_dominant_key_from_its_row():
-    """emulate (the kernels' backward arithmetic: dpsum from out + o_lo on every key) holds
-    1.5x up to gap 5; at gap 20 (mass off the top key 5e-9, below float32's 2**-24) dq is rounding
-    noise however precise o_lo is, a float32 O included; the dominant key's dS from its row
-    holds 1.5x everywhere with the same bf16 o_lo."""
+    """emulate (the SM90 kernel's backward arithmetic: dpsum from out + o_lo, the dominant key's
+    dS from its row) holds 1.5x over the whole ladder, and so does it without o_lo past the
+    dominant key's threshold. The dpsum form on every key holds it up to gap 5; from gap 20
+    (mass off the top key 4e-9, below float32's 2**-24) its dq is rounding noise however
+    precise O is, a float32 O included."""
     r = N.ladder("emulate", **LADDER_SMALL)
     rungs = {g["gap"]: g for g in r["rungs"]}
     for gap, rung in rungs.items():
-        fixed = rung["dominant_from_row"]
-        assert fixed["dq"] < 1.5 and fixed["dkv"] < 1.5, rung
+        assert rung["train"]["dq"] < 1.5 and rung["train"]["dkv"] < 1.5, rung
         if gap <= 5:
-            assert rung["train"]["dq"] < 1.5 and rung["train"]["dkv"] < 1.5, rung
+            assert rung["dpsum_form"]["dq"] < 1.5 and rung["dpsum_form"]["dkv"] < 1.5, rung
         if gap <= 10:
             assert rung["o_lo_f32"]["dq"] < 1.5, rung
         if gap >= 20:
-            assert rung["train"]["dq"] > 100 and rung["o_lo_f32"]["dq"] > 100, rung
-    assert rungs[5.0]["no_o_lo"]["dq"] > 5  # without o_lo the gradient goes first
+            assert rung["dpsum_form"]["dq"] > 100 and rung["o_lo_f32"]["dq"] > 100, rung
+    # below the dominant key's threshold (top P 0.38 at gap 2) the bf16 o_lo still pays
+    assert rungs[2.0]["no_o_lo"]["dq"] > 1.2 * rungs[2.0]["train"]["dq"]
     assert "| 20 (20.00) |" in N.format_ladder(r)
 
 
-_DPSUM_CANCELS = pytest.mark.xfail(
-    strict=True, reason="sm90 backward: the dominant key's dS from dP - dpsum, which cancels once "
-    "the mass off the top key is below 2**-24")
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize(
-    "gap", [pytest.param(g, marks=[_DPSUM_CANCELS] if g >= 20 else []) for g in N.LADDER_GAPS])
+@pytest.mark.parametrize("gap", N.LADDER_GAPS)
 def test_ladder_sm90_real_width(gap):
     """The ladder on the SM90 kernels at DeepSeek-V3.2's widths (T 128, S 4096, H 128, topk
-    2048): the training path within 1.5x of the ideal bf16 pipeline. Up to gap 10 the bf16 o_lo
-    holds it; from gap 20 the kernel's dpsum form cancels on the dominant key (dq 861x the
-    ideal in a CPU model of its arithmetic at gap 20) until its dS comes from its row."""
+    2048): the training path within 1.5x of the ideal bf16 pipeline at every gap, 0 to 100 (the
+    dominant key's dS from its row: the dpsum form's dq is 861x the ideal at gap 20 in a CPU
+    model of that arithmetic)."""
     from mla_inductor.kernels import sm90
 
     ok, why = sm90.available()

@@ -190,15 +190,15 @@ def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, ou
     when ``o_lo`` is empty), as the SM90 and SM100 kernels form it; the rest is
     :func:`mla_inductor.kernels.reference.gradients` (P recomputed from the scores in fp32,
     ``dpsum - dlse`` for the gradient through lse, the sink's gradient), with the dpsum form on
-    every key as the kernels use it, the dominant key's included (its ``dP - dpsum`` cancels on
-    very peaked rows: the peakedness ladder of :mod:`mla_inductor.numerics`). ``deterministic``
-    as the reference's (:func:`mla_inductor.kernels.reference.deterministic_mode`)."""
+    every key but each row's dominant key (P above 1/2), whose dS comes from the row's other
+    keys, as the SM90 kernel forms it (its ``dP - dpsum`` would cancel on very peaked rows: the
+    peakedness ladder of :mod:`mla_inductor.numerics`). ``deterministic`` as the reference's
+    (:func:`mla_inductor.kernels.reference.deterministic_mode`)."""
     o_full = out.float() + o_lo.float() if o_lo.numel() else out.float()
     dpsum = (dout.float() * o_full).sum(-1)  # [T, H]
     with reference.deterministic_mode(deterministic):
         return reference.gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum,
-                                   q_positions=q_positions, attn_sink=attn_sink, dlse=dlse,
-                                   dominant_from_row=False)
+                                   q_positions=q_positions, attn_sink=attn_sink, dlse=dlse)
 
 
 def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):

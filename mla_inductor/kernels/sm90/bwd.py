@@ -11,6 +11,15 @@ Computes, for ``dout [T, H, d_v]``, ``q [T, H, d_qk]``, ``kv [S, d_qk]`` (value 
     dkv[idx, :d_v]  += P^T . dout                  fp32 atomics, then a cast to kv's dtype
     dkv[idx, :d_qk] += dS^T . q
 
+except for each head row's dominant key j (P_j > 1/2): there ``dP_j - dpsum`` subtracts two
+numbers that agree to ``1 - P_j``, which on very peaked rows is below dpsum's precision, so its
+dS is formed after the key loop from the row's other keys instead, in fp32::
+
+    dS_j = P_j * (dP_j * (sum_{k != j} P_k + P_sink) - sum_{k != j} P_k dP_k + dlse) * sm_scale
+
+(the loop's dS.K and dS^T.q see 0 for it; its dq and dkv terms, dS_j * kv[j] and dS_j * q, are
+added after the loop: :meth:`SparseMlaBackwardSm90.dominant_ds`).
+
 Slots with ``index < 0``, ``index >= S`` or position ``>= topk_length[t]`` are empty: their key is
 zero-filled in shared memory (never read from global memory), their P is forced to 0, and their
 dkv row is never written (not even with 0.0). Duplicated indices accumulate once per occurrence.
@@ -111,7 +120,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
 from .host import DKV_GROUP as _GROUP
-from .ptx import cp_async_16, create_policy, opaque_i32, red_add_f32x4, red_add_fixed64, st_shared_b32
+from .ptx import (cp_async_16, create_policy, opaque_i32, red_add_f32x4, red_add_fixed64,
+                  red_add_shared_f32, st_shared_b32)
 
 _TILE_M = 64  # heads per CTA (wgmma M)
 _TILE_N = 64  # keys per block
@@ -128,12 +138,19 @@ _BAR_P_FREE = 3  # warpgroup 1 finished reading P of block i -> P of block i + 1
 _BAR_DS_FREE = 4  # same for dS
 _BAR_KV_FREE = 5  # warpgroup 1's dQ of block i is done -> block i + 1 may be gathered
 _BAR_WG0 = 6  # warpgroup 0 alone (128 threads)
+_BAR_DOMINANT = 7  # both warpgroups, after the loop: the dominant keys' dS are in shared memory
+
+# A key whose P is above this is its row's dominant key (at most one per row; a key named twice
+# has one P per slot, each above it only if their sum is): its dS is formed from the row's
+# other keys after the loop (SparseMlaBackwardSm90.dominant_ds) instead of from dP - dpsum.
+_DOMINANT_P = 0.5
 
 
 def _smem_bytes(d_qk: int, d_v: int) -> int:
-    """Q, K/V, dO, P, dS tiles (bf16), two stages of row indices, lse_log2, dpsum, 1 KiB slack."""
+    """Q, K/V, dO, P, dS tiles (bf16), two stages of row indices, lse_log2, dpsum, the dominant
+    keys' P, dP (then dS) and kv rows, 1 KiB slack."""
     tiles = (_TILE_M * d_qk + _TILE_N * d_qk + _TILE_M * d_v + 2 * _TILE_M * _TILE_N) * 2
-    return tiles + (2 * _TILE_N + 2 * _TILE_M) * 4 + 1024
+    return tiles + (2 * _TILE_N + 5 * _TILE_M) * 4 + 1024
 
 
 def transposed(t):
@@ -152,14 +169,16 @@ def kmajor_sw128(dtype, rows: int, cols: int):
 class SparseMlaBackwardSm90:
     """Static configuration: dtype, head count, d_qk, d_v, whether topk_length, o_lo,
     causal positions and a gradient of lse are passed and dpsum is written out, and whether the
-    gathers carry an L2 evict_first policy (the module docstring says when), and whether dkv is
-    accumulated in 64-bit fixed point (deterministic)."""
+    gathers carry an L2 evict_first policy (the module docstring says when), whether dkv is
+    accumulated in 64-bit fixed point (deterministic), and whether an attention sink is passed
+    (its probability is part of the dominant keys' dS)."""
 
     def __init__(self, dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
                  has_o_lo: bool = True, has_positions: bool = False, has_dlse: bool = False,
                  writes_dpsum: bool = False, gather_evict_first: bool = False,
-                 deterministic: bool = False):
+                 deterministic: bool = False, has_sink: bool = False):
         self.has_o_lo = has_o_lo
+        self.has_sink = has_sink
         # dkv in 64-bit fixed point (integer adds, the same sum in every order) instead of
         # float32 atomics: the accumulator is int64 and a [1] float32 tensor holds the scale
         self.deterministic = deterministic
@@ -198,13 +217,14 @@ class SparseMlaBackwardSm90:
         mdLSE: Optional[cute.Tensor],  # [T, H] fp32, the gradient reaching lse
         mDpsum: Optional[cute.Tensor],  # [T, H] fp32 out: dpsum - dlse
         mScale: Optional[cute.Tensor],  # [1] fp32, the fixed-point scale (deterministic only)
+        mSink: Optional[cute.Tensor],  # [H] fp32, the attention sink (natural log units)
         sm_scale: Float32,
         stream: cuda.CUstream,
     ):
         T = mQ.shape[0]
         self.kernel(
             mQ, mKV, mdO, mOut, mOlo, mLSE, mIdx, mTopkLen, mdQ, mdKV, mQPos, mdLSE, mDpsum,
-            mScale, sm_scale,
+            mScale, mSink, sm_scale,
         ).launch(
             grid=[T * self.head_tiles, 1, 1],
             block=[_NUM_THREADS, 1, 1],
@@ -384,6 +404,7 @@ class SparseMlaBackwardSm90:
         mdLSE: Optional[cute.Tensor],
         mDpsum: Optional[cute.Tensor],
         mScale: Optional[cute.Tensor],
+        mSink: Optional[cute.Tensor],
         sm_scale: Float32,
     ):
         """Device entry: one CTA per (token, 64-head tile); the design is the module docstring."""
@@ -407,6 +428,11 @@ class SparseMlaBackwardSm90:
         sRow = smem.allocate_tensor(Int32, cute.make_layout((2 * _TILE_N,)), 16)
         sLSE2 = smem.allocate_tensor(Float32, cute.make_layout((_TILE_M,)), 16)
         sDpsum = smem.allocate_tensor(Float32, cute.make_layout((_TILE_M,)), 16)
+        # per head row: the dominant key's P (summed over its slots), its dP and then its dS
+        # (0: no dominant key), its kv row
+        sDomP = smem.allocate_tensor(Float32, cute.make_layout((_TILE_M,)), 16)
+        sDomDS = smem.allocate_tensor(Float32, cute.make_layout((_TILE_M,)), 16)
+        sDomRow = smem.allocate_tensor(Int32, cute.make_layout((_TILE_M,)), 16)
 
         # ---- valid top-k length of this token ----
         n_valid = topk
@@ -438,6 +464,9 @@ class SparseMlaBackwardSm90:
                 lse = mLSE[token, head0 + tidx]
                 lse2 = cutlass.select_(lse == -Float32.inf, Float32.inf, lse * Float32(_LOG2_E))
             sLSE2[tidx] = lse2
+            sDomP[tidx] = Float32(0.0)
+            sDomDS[tidx] = Float32(0.0)
+            sDomRow[tidx] = Int32(-1)
         self.dpsum_to_smem(mdO, mOut, mOlo, mdLSE, mDpsum, token, head0, sDpsum, tidx)
         cute.arch.cp_async_wait_group(0)
         cute.arch.fence_view_async_shared()
@@ -446,13 +475,16 @@ class SparseMlaBackwardSm90:
         if wg == 0:
             self.wg0_body(
                 tidx, token, head0, n_valid, n_blocks, sm_scale, mKV, mIdx, mQPos, mdQ, mdKV,
-                mScale, sQ, sKV, sdO, sP, sdS, sRow, sLSE2, sDpsum, rIdx,
+                mScale, mSink, mdLSE, sQ, sKV, sdO, sP, sdS, sRow, sLSE2, sDpsum, rIdx,
+                (sDomP, sDomDS, sDomRow),
             )
         if wg == 1:
             self.wg1_body(
-                tidx - _WG_THREADS, token, head0, n_blocks, mdQ, mdKV, mScale, sQ, sKV, sdO, sP,
-                sdS, sRow,
+                tidx - _WG_THREADS, token, head0, n_blocks, mKV, mdQ, mdKV, mScale, sQ, sKV, sdO,
+                sP, sdS, sRow, (sDomP, sDomDS, sDomRow),
             )
+        # the dominant keys' dkv terms, dS * q of their rows, from all 256 threads
+        self.add_dominant_dkv(sQ, mdKV, mScale, sDomDS, sDomRow, tidx)
 
     @cute.jit
     def wg0_body(
@@ -469,6 +501,8 @@ class SparseMlaBackwardSm90:
         mdQ: cute.Tensor,
         mdKV: cute.Tensor,
         mScale: Optional[cute.Tensor],
+        mSink: Optional[cute.Tensor],
+        mdLSE: Optional[cute.Tensor],
         sQ: cute.Tensor,
         sKV: cute.Tensor,
         sdO: cute.Tensor,
@@ -478,10 +512,13 @@ class SparseMlaBackwardSm90:
         sLSE2: cute.Tensor,
         sDpsum: cute.Tensor,
         rIdx: cute.Tensor,
+        sDom: tuple,
     ):
         """Warpgroup 0, per key block: the gather (block 0 is gathered before the loop; a block's
         columns 0:256 at the end of the one before), S = Q.K^T and dP = dO.V^T, P and dS (stored
-        as bf16 for both warpgroups), dq[:, 0:256] += dS.K and the last dKV chunk."""
+        as bf16 for both warpgroups), dq[:, 0:256] += dS.K and the last dKV chunk; after the
+        loop, the dominant keys' dS (:meth:`dominant_ds`) and their dq terms."""
+        sDomP, sDomDS, sDomRow = sDom
         scale_log2 = sm_scale * Float32(_LOG2_E)
         S_rows = mKV.shape[0]
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
@@ -499,6 +536,12 @@ class SparseMlaBackwardSm90:
         mma_kv, thr_kv, acc_kv, rRow = self.dkv_chunk_parts(t)
         ops = (thr_kv, sQ, sdO, sP, sdS)
         dkv_base = mdKV.iterator.toint()
+
+        # per head row m0 + 8 h of this thread (m0 = 16 warp + lane // 4): the sums over its
+        # other keys of P * dP (entry h) and of P (entry 2 + h), for the dominant key's dS
+        rRest = cute.make_rmem_tensor(cute.make_layout((4,)), Float32)
+        rRest.fill(0.0)
+        dom_p_base = sDomP.iterator.toint()
 
         early = (c0 + w) // _CHUNK  # K/V slabs [0, early) are read by warpgroup 0 only
         early_k = early * (_CHUNK // 16)  # their k-blocks in S and dP (16 columns each)
@@ -550,9 +593,27 @@ class SparseMlaBackwardSm90:
             self.hand_over(acc_s, sP, t, blk, _BAR_P_FREE, _BAR_P_READY)
 
             warpgroup.wait_group(0)  # dP done
+            any_dominant = Boolean(False)
             for i in cutlass.range_constexpr(cute.size(acc_s)):
+                # register 4 j + 2 h + e is row m0 + 8 h (see store_tile)
+                h = (i // 2) % 2
                 m, n = c_sp[i]
-                acc_dp[i] = acc_s[i] * (acc_dp[i] - sDpsum[m]) * sm_scale
+                p, dp = acc_s[i], acc_dp[i]
+                dominant = p > Float32(_DOMINANT_P)
+                any_dominant = any_dominant or dominant
+                rest = cutlass.select_(dominant, Float32(0.0), p)
+                rRest[h] = rRest[h] + rest * dp
+                rRest[2 + h] = rRest[2 + h] + rest
+                # a dominant key keeps its dP here until it is recorded below
+                acc_dp[i] = cutlass.select_(dominant, dp, p * (dp - sDpsum[m]) * sm_scale)
+            if any_dominant:  # rare: record it (its dS after the loop; P summed over its slots)
+                for i in cutlass.range_constexpr(cute.size(acc_s)):
+                    m, n = c_sp[i]
+                    if acc_s[i] > Float32(_DOMINANT_P):
+                        red_add_shared_f32(dom_p_base + m * 4, acc_s[i])
+                        sDomDS[m] = acc_dp[i]
+                        sDomRow[m] = sRow[stage * _TILE_N + n]
+                        acc_dp[i] = Float32(0.0)  # the loop's dS.K and dS^T.q see 0
             self.hand_over(acc_dp, sdS, t, blk, _BAR_DS_FREE, _BAR_DS_READY)
             cute.arch.barrier(barrier_id=_BAR_WG0, number_of_threads=_WG_THREADS)  # all of dS
 
@@ -570,7 +631,98 @@ class SparseMlaBackwardSm90:
             warpgroup.wait_group(0)
             self.add_chunk(acc_kv, self.wg1_chunks, rRow, dkv_base, mScale, t)
 
+        self.dominant_ds(rRest, t, token, head0, sm_scale, mSink, mdLSE, sLSE2, sDomP, sDomDS)
+        cute.arch.barrier(barrier_id=_BAR_DOMINANT, number_of_threads=_NUM_THREADS)
+        self.add_dominant_dq(acc_dq, thr_dq, c0, w, mKV, sDomDS, sDomRow, t)
         self.store_dq(mdQ, token, head0, thr_dq, acc_dq, c0, w)
+
+    @cute.jit
+    def dominant_ds(self, rRest: cute.Tensor, t: Int32, token: Int32, head0: Int32,
+                    sm_scale: Float32, mSink: Optional[cute.Tensor], mdLSE: Optional[cute.Tensor],
+                    sLSE2: cute.Tensor, sDomP: cute.Tensor, sDomDS: cute.Tensor):
+        """Warpgroup 0, after the loop: the dS of each head row's dominant key ``j`` (``P_j`` above
+        ``_DOMINANT_P``) from the row's other keys, ``dS_j = P_j (dP_j * mass - sum_{k != j} P_k
+        dP_k + dlse) * sm_scale`` with ``mass = sum_{k != j} P_k + P_sink``, written over its dP
+        in ``sDomDS`` (0 for a row without one). The dpsum form ``P_j (dP_j - dpsum)`` subtracts
+        two numbers that agree to ``1 - P_j``: once that is below the precision of dpsum (from
+        ``out + o_lo``, about 2**-17), dS_j is rounding noise, and with it the row's dq and
+        ``dkv[j]`` (the peakedness ladder of :mod:`mla_inductor.numerics`). This is the same
+        form as :func:`mla_inductor.kernels.reference._dominant_from_row`. The four lanes of a
+        row hold its sums in parts; two butterfly shuffles add them."""
+        lane = t % 32
+        for h in cutlass.range_constexpr(2):
+            r, mass = rRest[h], rRest[2 + h]
+            for off in (1, 2):
+                r = r + cute.arch.shuffle_sync_bfly(r, offset=off)
+                mass = mass + cute.arch.shuffle_sync_bfly(mass, offset=off)
+            m = (t // 32) * 16 + lane // 4 + 8 * h
+            if lane % 4 == 0:
+                p = sDomP[m]
+                ds = Float32(0.0)
+                if p > Float32(0.0):  # a dominant key: the head is < H and lse finite
+                    head = head0 + m
+                    if const_expr(self.has_sink):
+                        mass = mass + cute.math.exp2(mSink[head] * Float32(_LOG2_E) - sLSE2[m],
+                                                     fastmath=False)
+                    x = sDomDS[m] * mass - r
+                    if const_expr(self.has_dlse):
+                        x = x + mdLSE[token, head]
+                    ds = p * x * sm_scale
+                sDomDS[m] = ds
+
+    @cute.jit
+    def add_dominant_dq(self, acc_dq: cute.Tensor, thr_dq, c0: int, w: int, mKV: cute.Tensor,
+                        sDomDS: cute.Tensor, sDomRow: cute.Tensor, t: Int32):
+        """dq[:, c0:c0 + w] += dS_j * kv[j] for each of this thread's two head rows that has a
+        dominant key ``j`` (:meth:`dominant_ds`; its dS was 0 in the loop's dS.K), read from
+        global memory (L2) in the accumulator's own layout."""
+        c_dq = thr_dq.partition_C(cute.make_identity_tensor((_TILE_M, w)))
+        m0 = (t // 32) * 16 + (t % 32) // 4
+        for h in cutlass.range_constexpr(2):
+            ds = sDomDS[m0 + 8 * h]
+            if ds != Float32(0.0):
+                row = sDomRow[m0 + 8 * h]
+                gK = cute.make_tensor(mKV.iterator + Int64(row) * self.d_qk,
+                                      cute.make_layout((self.d_qk,)))
+                for i in cutlass.range_constexpr(cute.size(acc_dq)):
+                    if const_expr((i // 2) % 2 == h):
+                        _, col = c_dq[i]
+                        acc_dq[i] = acc_dq[i] + ds * gK[c0 + col].to(Float32)
+
+    @cute.jit
+    def add_dominant_dkv(self, sQ: cute.Tensor, mdKV: cute.Tensor, mScale: Optional[cute.Tensor],
+                         sDomDS: cute.Tensor, sDomRow: cute.Tensor, t: Int32):
+        """dkv[j] += dS_j * q[head] for each head row with a dominant key ``j``, into the
+        accumulator in its column order (float32: the 16-byte reds of :meth:`scatter`; int64:
+        the fixed-point adds of :meth:`scatter_fixed`), thread ``t`` of 256 taking the same
+        accumulator positions in every row. q is read from its shared tile: from global memory
+        the 64 rows' dependent loads cost 13% of the backward on rows that all have one (H200,
+        T 4096, H 128)."""
+        keep = create_policy(True)
+        dkv_base = mdKV.iterator.toint()
+        for m in cutlass.range(_TILE_M, unroll=1):
+            ds = sDomDS[m]
+            if ds != Float32(0.0):
+                gQ = sQ[m, None]
+                row_base = dkv_base + Int64(sDomRow[m]) * (self.d_qk * (8 if self.deterministic else 4))
+                if const_expr(self.deterministic):
+                    scale = mScale[0]
+                    for r in cutlass.range_constexpr((self.d_qk + _NUM_THREADS - 1) // _NUM_THREADS):
+                        pos = t + r * _NUM_THREADS
+                        if pos < self.d_qk:
+                            # position 8 jh + 4 e + q of a group holds column 8 jh + 2 q + e
+                            within = pos % _GROUP
+                            col = (pos - within) + (within // 8) * 8 + (within % 4) * 2 + (within % 8) // 4
+                            red_add_fixed64(row_base + pos * 8, ds * gQ[col].to(Float32) * scale,
+                                            Int32(1), keep)
+                else:
+                    if t < self.d_qk // 4:
+                        # positions 4 q .. 4 q + 3 of a group hold columns 2 q, 2 q + 1, 2 q + 8, 2 q + 9
+                        pos = t * 4
+                        col = (pos - pos % _GROUP) + ((pos % _GROUP) // 4) * 2
+                        red_add_f32x4(row_base + pos * 4, ds * gQ[col].to(Float32),
+                                      ds * gQ[col + 1].to(Float32), ds * gQ[col + 8].to(Float32),
+                                      ds * gQ[col + 9].to(Float32), Int32(1), keep)
 
     @cute.jit
     def hand_over(self, acc: cute.Tensor, sT: cute.Tensor, t: Int32, blk: Int32,
@@ -624,6 +776,7 @@ class SparseMlaBackwardSm90:
         token: Int32,
         head0: Int32,
         n_blocks: Int32,
+        mKV: cute.Tensor,
         mdQ: cute.Tensor,
         mdKV: cute.Tensor,
         mScale: Optional[cute.Tensor],
@@ -633,10 +786,12 @@ class SparseMlaBackwardSm90:
         sP: cute.Tensor,
         sdS: cute.Tensor,
         sRow: cute.Tensor,
+        sDom: tuple,
     ):
         """Warpgroup 1, per key block: dq[:, 256:] += dS.K, and dKV = P^T.dO + dS^T.Q in 64-column
         chunks, each waited and scattered (one accumulator: a second one does not fit next to
-        dq's 160 registers; ptxas then spills and serialises the wgmmas)."""
+        dq's 160 registers; ptxas then spills and serialises the wgmmas); after the loop, the
+        dominant keys' dq terms (:meth:`add_dominant_dq`)."""
         K_MAJOR, MN_MAJOR = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
 
         dq_parts = self.dq_parts[1]
@@ -649,7 +804,6 @@ class SparseMlaBackwardSm90:
         for j in cutlass.range_constexpr(len(acc_dq)):
             acc_dq[j].fill(0.0)
         mma_kv, thr_kv, acc_kv, rRow = self.dkv_chunk_parts(t)
-        lane = t % 32
         dkv_base = mdKV.iterator.toint()
 
         last_p_chunk = min(self.n_chunks_v, self.wg1_chunks) - 1
@@ -702,8 +856,11 @@ class SparseMlaBackwardSm90:
                         cute.arch.barrier_arrive(barrier_id=_BAR_DS_FREE, number_of_threads=_NUM_THREADS)
                 self.add_chunk(acc_kv, c, rRow, dkv_base, mScale, t)
 
+        _, sDomDS, sDomRow = sDom
+        cute.arch.barrier(barrier_id=_BAR_DOMINANT, number_of_threads=_NUM_THREADS)
         for j in cutlass.range_constexpr(len(dq_parts)):
             c0, w = dq_parts[j]
+            self.add_dominant_dq(acc_dq[j], thr_dq[j], c0, w, mKV, sDomDS, sDomRow, t)
             self.store_dq(mdQ, token, head0, thr_dq[j], acc_dq[j], c0, w)
 
     def dkv_chunk_parts(self, t):
@@ -838,11 +995,12 @@ _DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
 def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
                      has_o_lo: bool = True, has_positions: bool = False, has_dlse: bool = False,
                      writes_dpsum: bool = False, gather_evict_first: bool = False,
-                     deterministic: bool = False):
+                     deterministic: bool = False, has_sink: bool = False):
     """Compiles the main kernel for one static configuration (no GPU needed inside
     :func:`.common.target_arch`). The returned TVM-FFI function takes ``(q, kv, dout, out,
     o_lo_or_None, lse, indices, topk_length_or_None, dq, dkv_accum, q_positions_or_None,
-    dlse_or_None, dpsum_or_None, scale_or_None, sm_scale)`` as torch tensors and a float, and
+    dlse_or_None, dpsum_or_None, scale_or_None, attn_sink_or_None, sm_scale)`` as torch tensors
+    and a float, and
     runs on torch's current stream; ``dkv_accum`` is float32, or int64 with a ``[1]`` float32
     fixed-point ``scale`` when ``deterministic``."""
     cdtype = _DTYPES[dtype_name]
@@ -873,10 +1031,11 @@ def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_
         fake(cutlass.Float32, (T, heads), 4) if has_dlse else None,  # dlse
         fake(cutlass.Float32, (T, heads), 4) if writes_dpsum else None,  # dpsum out
         fake(cutlass.Float32, (1,), 4) if deterministic else None,  # fixed-point scale
+        fake(cutlass.Float32, (heads,), 4) if has_sink else None,  # attn_sink
         cutlass.Float32(1.0),  # sm_scale
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     )
     kernel = SparseMlaBackwardSm90(cdtype, heads, d_qk, d_v, has_topk_length, has_o_lo,
                                    has_positions, has_dlse, writes_dpsum, gather_evict_first,
-                                   deterministic)
+                                   deterministic, has_sink)
     return cute.compile(kernel, *args, options="--enable-tvm-ffi")

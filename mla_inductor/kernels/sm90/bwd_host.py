@@ -23,15 +23,18 @@ _CACHE = KernelCache("mla_sm90_bwd")
 def compile_key(dtype: torch.dtype, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
                 has_o_lo: bool = True, arch: str = "sm_90a", *, has_positions: bool = False,
                 has_dlse: bool = False, writes_dpsum: bool = False,
-                gather_evict_first: bool = False, deterministic: bool = False) -> tuple:
+                gather_evict_first: bool = False, deterministic: bool = False,
+                has_sink: bool = False) -> tuple:
     """The static compile key: T, S and topk are symbolic; the head count is static, and so
     are whether ``topk_length``, a non-empty ``o_lo`` (read for dpsum only when passed), causal
     positions and dlse are passed, whether dpsum is written out, whether the gathers carry
-    an L2 evict_first policy (:func:`gathers_evict_first`) and whether dkv is accumulated in
-    64-bit fixed point (``deterministic``). The arch is last."""
+    an L2 evict_first policy (:func:`gathers_evict_first`), whether dkv is accumulated in
+    64-bit fixed point (``deterministic``) and whether an attention sink is passed. The arch is
+    last."""
     return (str(dtype).removeprefix("torch."), int(heads), int(d_qk), int(d_v),
             bool(has_topk_length), bool(has_o_lo), bool(has_positions), bool(has_dlse),
-            bool(writes_dpsum), bool(gather_evict_first), bool(deterministic), arch)
+            bool(writes_dpsum), bool(gather_evict_first), bool(deterministic), bool(has_sink),
+            arch)
 
 
 def gathers_evict_first(kv: torch.Tensor, accum_bytes: int = 4) -> bool:
@@ -69,12 +72,13 @@ def get_kernel(key: tuple):
 def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads=(128,),
                         d_qk: int = 576, d_v: int = 512, topk_length=(False, True),
                         o_lo=(True,), gather_evict_first=(False,),
-                        deterministic=(False,)) -> dict:
+                        deterministic=(False,), attn_sink=(False,)) -> dict:
     """Compiles the backward kernel for ``arch`` without a GPU, for every combination of
     ``dtypes`` x ``heads`` x ``topk_length`` x ``o_lo`` (whether the forward's o_lo is passed:
     a training forward always returns it) x ``gather_evict_first`` (add True for kv too long
     to fit in L2 with its accumulator: :func:`gathers_evict_first`) x ``deterministic`` (add
-    True for the fixed-point dkv of ``torch.use_deterministic_algorithms(True)``); returns
+    True for the fixed-point dkv of ``torch.use_deterministic_algorithms(True)``) x
+    ``attn_sink`` (add True for a model with attention sinks); returns
     ``{compile_key: fn}`` (also cached).
 
     Raises:
@@ -89,14 +93,16 @@ def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads
                 for with_o_lo in o_lo:
                     for evict_first in gather_evict_first:
                         for det in deterministic:
-                            key = compile_key(dtype, h, d_qk, d_v, with_len, with_o_lo, arch,
-                                              gather_evict_first=evict_first, deterministic=det)
-                            compiled[key] = get_kernel(key)
+                            for sink in attn_sink:
+                                key = compile_key(dtype, h, d_qk, d_v, with_len, with_o_lo, arch,
+                                                  gather_evict_first=evict_first,
+                                                  deterministic=det, has_sink=sink)
+                                compiled[key] = get_kernel(key)
     return compiled
 
 
 def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum, *,
-                  q_positions=None, dlse=None, dpsum_out=None, dkv_scale=None):
+                  q_positions=None, dlse=None, dpsum_out=None, dkv_scale=None, attn_sink=None):
     """Runs the main kernel (its prologue computes dpsum and lse in log2 units); returns
     ``dq [T, H, d_qk]`` (q's dtype) and adds the dkv gradient into ``dkv_accum`` (``[S, d_qk]``
     float32, contiguous, 16-byte aligned; rows of empty slots are never touched).
@@ -111,7 +117,9 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     [T, H]`` float32, contiguous, which receives ``dpsum - dlse`` (for the sink's gradient).
     ``dkv_scale [1]`` float32 (with an int64 ``dkv_accum``): the deterministic path, which adds
     ``round(dkv term * dkv_scale)`` into the int64 accumulator in the column order of
-    :func:`dkv_fixed_interleave` (:func:`fixed_point_scale` chooses the scale).
+    :func:`dkv_fixed_interleave` (:func:`fixed_point_scale` chooses the scale). ``attn_sink
+    [H]`` float32 (natural log units, the forward's): its probability is part of the mass off a
+    row's dominant key (see :meth:`.bwd.SparseMlaBackwardSm90.dominant_ds`).
 
     ``dkv_accum`` is in the kernel's **interleaved column order** (see :func:`dkv_interleave`):
     columns are permuted within aligned groups of 16, rows are not moved. A zeroed buffer needs no
@@ -148,6 +156,9 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
                          "tensor (int64 exactly when dkv_scale is passed)")
     if deterministic and (dkv_scale.dtype != torch.float32 or dkv_scale.numel() != 1):
         raise ValueError("dkv_scale must be a float32 tensor of one element")
+    if attn_sink is not None and (attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (H,)):
+        raise ValueError(f"attn_sink must be float32 [H] = [{H}], got {attn_sink.dtype} "
+                         f"{tuple(attn_sink.shape)}")
     if dpsum_out is not None and (dpsum_out.dtype != torch.float32 or tuple(dpsum_out.shape) != (T, H)
                                   or not dpsum_out.is_contiguous()):
         raise ValueError("dpsum_out must be a contiguous float32 [T, H] tensor")
@@ -165,11 +176,12 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
                                 has_positions=qpos is not None, has_dlse=dlse is not None,
                                 writes_dpsum=dpsum_out is not None,
                                 gather_evict_first=gathers_evict_first(kv, dkv_accum.element_size()),
-                                deterministic=deterministic))
+                                deterministic=deterministic, has_sink=attn_sink is not None))
     q, kv, dout, out = (contiguous_aligned(x) for x in (q, kv, dout, out))
     fn(q, kv, dout, out, contiguous_aligned(o_lo) if has_o_lo else None, lse.contiguous(),
        indices.contiguous(), tlen, dq, dkv_accum, qpos, dlse, dpsum_out,
-       dkv_scale.contiguous() if deterministic else None, float(sm_scale))
+       dkv_scale.contiguous() if deterministic else None,
+       None if attn_sink is None else attn_sink.contiguous(), float(sm_scale))
     return dq
 
 
@@ -196,7 +208,8 @@ def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, *
     if attn_sink is not None:
         dpsum = torch.zeros(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     dq = backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, dkv_accum,
-                       q_positions=q_positions, dlse=dlse, dpsum_out=dpsum, dkv_scale=scale)
+                       q_positions=q_positions, dlse=dlse, dpsum_out=dpsum, dkv_scale=scale,
+                       attn_sink=None if attn_sink is None else attn_sink.float())
     d_sink = None
     if attn_sink is not None:
         sink = attn_sink.float()[None, :]

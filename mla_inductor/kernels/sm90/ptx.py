@@ -94,6 +94,12 @@ def red_add_fixed64(addr: Int64, x: Float32, pred: Int32, policy: Int64, *, loc=
 
 
 @dsl_user_op
+def red_add_shared_f32(addr: Int32, x: Float32, *, loc=None, ip=None) -> None:
+    """``red.shared.add.f32`` of ``x`` to the word at shared address ``addr``."""
+    _asm("red.shared.add.f32 [$0], $1;", "r,f", (Int32(addr), Float32(x)), loc=loc, ip=ip)
+
+
+@dsl_user_op
 def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
     """``x``, through a volatile move: values derived from it are recomputed where they are used
     instead of being hoisted out of the loop (and kept live in registers) by the compiler."""
