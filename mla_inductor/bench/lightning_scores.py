@@ -73,9 +73,6 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def bench_lightning_scores(Ts, H: int, D: int, topk: int, rounds: int = 5) -> None:
     """Prints the table of the module docstring for token counts ``Ts``."""
-    import mla_inductor  # noqa: F401  (registers the ops)
-
-    ops = torch.ops.mla_inductor
     anchor = _cudnn()
     print(f"# lightning_indexer_scores, S = T, {H} index heads x {D}, topk {topk} random keys, "
           f"bf16, {datetime.date.today()}, {torch.cuda.get_device_name()}, torch "
@@ -85,59 +82,68 @@ def bench_lightning_scores(Ts, H: int, D: int, topk: int, rounds: int = 5) -> No
           "agreement (rel L2 to cuDNN) |")
     print("|---|---|---|---|---|---|---|---|")
     for T in Ts:
-        q, k, w16, idx, target = make_problem(T, H, D, topk)
-        w = w16.float()
-        fwd_flops = 2 * T * H * topk * D
-        flops = {"forward": fwd_flops, "backward": 3 * fwd_flops, "forward + backward":
-                 4 * fwd_flops}
-        scores = ops.lightning_indexer_scores(q, k, w, idx)
-        dscores = torch.randn_like(scores) / (T * topk)
-
-        def ours_forward():
-            return ops.lightning_indexer_scores(q, k, w, idx)
-
-        def ours_backward():
-            return ops.lightning_indexer_scores_bwd(dscores, q, k, w, idx)
-
-        def ours_both():
-            ours_forward()
-            return ours_backward()
-
-        fns = {("ours", "forward"): ours_forward, ("ours", "backward"): ours_backward,
-               ("ours", "forward + backward"): ours_both}
-        agree = {}
-        if anchor is not None:
-            recompute, backward = anchor
-            grad_loss = torch.ones(1, device="cuda")
-            predict = recompute(q, k, w16, idx)["predict"]
-            signal = target.clone()  # cuDNN's backward writes its score gradient over it
-            theirs = backward(q, w16, k, signal, predict, idx, grad_loss)
-            dscores = signal.clone()
-            ours = ops.lightning_indexer_scores_bwd(dscores, q, k, w, idx)
-            agree["forward"] = f"{rel_l2(scores.softmax(-1), predict):.1e}"
-            agree["backward"] = ", ".join(
-                f"{name} {rel_l2(a, theirs[key]):.1e}"
-                for name, a, key in zip(("dq", "dk", "dweights"), ours,
-                                        ("d_index_q", "d_index_k", "d_weights")))
-            agree["forward + backward"] = agree["backward"]
-            buf = target.clone()  # overwritten by every call; its values do not change the time
-            fns[("cudnn", "forward")] = lambda: recompute(q, k, w16, idx)
-            fns[("cudnn", "backward")] = lambda: backward(q, w16, k, buf, predict, idx,
-                                                          grad_loss)
-            fns[("cudnn", "forward + backward")] = lambda: backward(
-                q, w16, k, buf, recompute(q, k, w16, idx)["predict"], idx, grad_loss)
-        times = time_ms_interleaved(fns, rounds=rounds)
-        for what, n in flops.items():
-            ms = times[("ours", what)]
-            cells = [what, f"{ms:.3f}", f"{n / ms / 1e9:.0f}"]
-            if anchor is not None:
-                cms = times[("cudnn", what)]
-                cells += [f"{cms:.3f}", f"{n / cms / 1e9:.0f}", f"{cms / ms:.2f}x", agree[what]]
-            else:
-                cells += ["-"] * 4
+        for cells in _rows(T, H, D, topk, anchor, rounds):
             print(f"| {T} | " + " | ".join(cells) + " |", flush=True)
-        del q, k, w, w16, idx, target, scores, dscores, fns
         torch.cuda.empty_cache()
+
+
+def _rows(T: int, H: int, D: int, topk: int, anchor, rounds: int) -> list:
+    """The table's three rows (forward, backward, both) of one T: lists of cells after T."""
+    import mla_inductor  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.mla_inductor
+    q, k, w16, idx, target = make_problem(T, H, D, topk)
+    w = w16.float()
+    fwd_flops = 2 * T * H * topk * D
+    flops = {"forward": fwd_flops, "backward": 3 * fwd_flops, "forward + backward": 4 * fwd_flops}
+    scores = ops.lightning_indexer_scores(q, k, w, idx)
+    dscores = torch.randn_like(scores) / (T * topk)
+    agree = {}
+    fns = {}
+    if anchor is not None:
+        recompute, backward = anchor
+        grad_loss = torch.ones(1, device="cuda")
+        predict = recompute(q, k, w16, idx)["predict"]
+        signal = target.clone()  # cuDNN's backward writes its score gradient over it
+        theirs = backward(q, w16, k, signal, predict, idx, grad_loss)
+        dscores = signal.clone()
+        ours = ops.lightning_indexer_scores_bwd(dscores, q, k, w, idx)
+        agree["forward"] = f"{rel_l2(scores.softmax(-1), predict):.1e}"
+        agree["backward"] = ", ".join(
+            f"{name} {rel_l2(a, theirs[key]):.1e}"
+            for name, a, key in zip(("dq", "dk", "dweights"), ours,
+                                    ("d_index_q", "d_index_k", "d_weights")))
+        agree["forward + backward"] = agree["backward"]
+        buf = target.clone()  # overwritten by every call; its values do not change the time
+        fns[("cudnn", "forward")] = lambda: recompute(q, k, w16, idx)
+        fns[("cudnn", "backward")] = lambda: backward(q, w16, k, buf, predict, idx, grad_loss)
+        fns[("cudnn", "forward + backward")] = lambda: backward(
+            q, w16, k, buf, recompute(q, k, w16, idx)["predict"], idx, grad_loss)
+
+    def ours_forward():
+        return ops.lightning_indexer_scores(q, k, w, idx)
+
+    def ours_backward():
+        return ops.lightning_indexer_scores_bwd(dscores, q, k, w, idx)
+
+    def ours_both():
+        ours_forward()
+        return ours_backward()
+
+    fns = {("ours", "forward"): ours_forward, ("ours", "backward"): ours_backward,
+           ("ours", "forward + backward"): ours_both, **fns}
+    times = time_ms_interleaved(fns, rounds=rounds)
+    rows = []
+    for what, n in flops.items():
+        ms = times[("ours", what)]
+        cells = [what, f"{ms:.3f}", f"{n / ms / 1e9:.0f}"]
+        if anchor is not None:
+            cms = times[("cudnn", what)]
+            cells += [f"{cms:.3f}", f"{n / cms / 1e9:.0f}", f"{cms / ms:.2f}x", agree[what]]
+        else:
+            cells += ["-"] * 4
+        rows.append(cells)
+    return rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
