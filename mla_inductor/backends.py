@@ -140,7 +140,11 @@ def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims,
 
 def _op(direction: str) -> str:
     """The name an error of ``direction`` starts with: the op's."""
-    return "lightning_indexer" if direction == "lightning_indexer" else "sparse_mla"
+    if direction == "lightning_indexer":
+        return "lightning_indexer"
+    if direction.startswith("lightning_indexer_scores"):
+        return "lightning_indexer_scores"
+    return "sparse_mla"
 
 
 def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None, *,
@@ -214,7 +218,7 @@ def check_deterministic(name: str, direction: str, deterministic=None) -> None:
     ``torch.use_deterministic_algorithms(True)``) it raises (with ``warn_only=True`` it warns)
     in PyTorch's wording; otherwise, or for a pair that is not in :data:`NONDETERMINISTIC`
     (every backend but sm100's backward: the reference and emulate backends, sm90's
-    fixed-point backward, every forward, the indexer target), it does nothing.
+    fixed-point backwards, every forward, the indexer target), it does nothing.
 
     Raises:
         RuntimeError: the pair is non-deterministic and deterministic algorithms are on (not

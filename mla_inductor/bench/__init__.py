@@ -5,13 +5,15 @@
         [--no-reference]
     python -m mla_inductor.bench train [--T ...] [--H ...] [--topk N] [--skip-layer] [--skip-model]
     python -m mla_inductor.bench indexer [--T ...] [--H ...] [--topk N] [--S T] [--protocol P]
+    python -m mla_inductor.bench lightning-scores [--T 16384 32768 65536] [--H 64] [--topk 2048]
     python -m mla_inductor.bench hf    [--T 4096 16384] [--topk 2048] [--warmup N] [--iters N]
         [--tiny]
     python -m mla_inductor.bench dist  [--ranks 2] [--T 16384 65536] [--topk 2048]
         [--device cuda|cpu] [--warmup N] [--iters N] [--tiny] [--train STEPS] [--lr LR]
 
 ``--help`` works at every level. Modules: :mod:`.cli` (the command), one module per subcommand
-(:mod:`.fwd`, :mod:`.bwd`, :mod:`.train`, :mod:`.indexer`, :mod:`.hf`, :mod:`.dist`: each
+(:mod:`.fwd`, :mod:`.bwd`, :mod:`.train`, :mod:`.indexer`, :mod:`.lightning`,
+:mod:`.lightning_scores`, :mod:`.hf`, :mod:`.dist`: each
 ``add_arguments(parser)`` and ``run(args)``; ``hf`` times a transformers DeepSeek-V3.2 layer
 unpatched and patched, ``dist`` one layer tensor and context parallel over spawned ranks, with
 ``--train`` a small model trained so, :mod:`.dist_train`), :mod:`.ranks` (spawned process

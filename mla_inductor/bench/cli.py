@@ -1,16 +1,17 @@
-"""The command ``python -m mla_inductor.bench {fwd,bwd,train,indexer,lightning,hf,dist,start}
-[flags]``: one argument parser with a subcommand per benchmark module (:data:`SUBCOMMANDS`);
-``--help`` works at every level."""
+"""The command ``python -m mla_inductor.bench
+{fwd,bwd,train,indexer,lightning,lightning-scores,hf,dist,start} [flags]``: one argument parser
+with a subcommand per benchmark module (:data:`SUBCOMMANDS`); ``--help`` works at every level."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Optional
 
-from . import bwd, dist, fwd, hf, indexer, lightning, start, train
+from . import bwd, dist, fwd, hf, indexer, lightning, lightning_scores, start, train
 
 SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer": indexer,
-               "lightning": lightning, "hf": hf, "dist": dist, "start": start}
+               "lightning": lightning, "lightning-scores": lightning_scores, "hf": hf,
+               "dist": dist, "start": start}
 
 
 _MORE = (" What each column measures, and the measured tables: docs/benchmarks.md in the "

@@ -4,7 +4,9 @@
 :mod:`.lightning`; each has its launcher (argument checks, compile key, kernel cache, launch) in
 :mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_host`, :mod:`.lightning_host`, which import
 the CuTe DSL only to compile a kernel that is not cached. The lightning indexer's scores and
-top-k select are composed in :mod:`.lightning_indexer_host`."""
+top-k select are composed in :mod:`.lightning_indexer_host`. Its scores at the selected slots
+(the op ``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_scores`,
+launched by :mod:`.lightning_scores_host`."""
 
 from __future__ import annotations
 
@@ -54,7 +56,9 @@ def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tupl
     ``d_qk`` in :data:`INDEXER_D_QK` and at most :data:`INDEXER_MAX_HEADS` heads (one CTA holds
     all the heads of a token). The lightning indexer (``"lightning_indexer"``, ``d_qk`` = its
     head dim D) takes D = :data:`LIGHTNING_D` and 1 to :data:`LIGHTNING_MAX_HEADS` index heads,
-    causal or not."""
+    causal or not. The lightning indexer's scores at the selected slots
+    (``"lightning_indexer_scores"`` and ``"lightning_indexer_scores_bwd"``, ``d_qk`` = D) take
+    the same D and head counts, every B, T, S and topk."""
     if dtype not in (torch.bfloat16, torch.float16):
         return False, f"sm90 kernels take bfloat16 or float16, got {dtype}"
     if direction == "indexer_target":
@@ -64,12 +68,14 @@ def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tupl
             return False, (f"sm90 indexer target supports at most {INDEXER_MAX_HEADS} heads, "
                            f"got {H}")
         return True, ""
-    if direction == "lightning_indexer":
+    if direction in ("lightning_indexer", "lightning_indexer_scores",
+                     "lightning_indexer_scores_bwd"):
+        what = "lightning indexer" if direction == "lightning_indexer" else direction
         if d_qk != LIGHTNING_D:
-            return False, f"sm90 lightning indexer supports D = {LIGHTNING_D}, got {d_qk}"
+            return False, f"sm90 {what} supports D = {LIGHTNING_D}, got {d_qk}"
         if not 1 <= H <= LIGHTNING_MAX_HEADS:
-            return False, (f"sm90 lightning indexer supports 1 to {LIGHTNING_MAX_HEADS} index "
-                           f"heads, got {H}")
+            return False, (f"sm90 {what} supports 1 to {LIGHTNING_MAX_HEADS} index heads, got "
+                           f"{H}")
         return True, ""
     if (d_qk, d_v) not in SUPPORTED_DIMS:
         return False, f"sm90 kernels support (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}"
@@ -90,7 +96,8 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
                thresholds=(0.0, 8.0), o_lo=(False, True), topk_length=(False, True),
                backward_heads=(128,), backward_o_lo=(True,), indexer_heads=(128,),
                indexer_positions=(False, True), lightning_heads=(),
-               lightning_causal=(False, True)) -> dict:
+               lightning_causal=(False, True), lightning_scores=False,
+               lightning_scores_deterministic=(False, True)) -> dict:
     """Compiles the kernels for ``arch`` without a GPU; returns ``{compile_key: fn}``.
 
     Forward: every combination of ``dtypes`` x ``thresholds`` x ``o_lo`` x ``topk_length``.
@@ -101,6 +108,8 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     ``indexer_positions`` (causal positions given); pass ``indexer_heads=()`` to skip it.
     Lightning-indexer scores (head tile 16, 32 or 64 static): ``dtypes`` x the tiles of
     ``lightning_heads`` x ``lightning_causal``; skipped unless ``lightning_heads`` is given.
+    Lightning-indexer scores at the selected slots (``lightning_scores=True``): the forward per
+    dtype and the backward for ``dtypes`` x ``lightning_scores_deterministic``.
     Everything is cached, so later calls on a GPU do not compile again.
 
     Raises:
@@ -108,7 +117,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     """
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
-    from . import bwd_host, fwd_host, indexer_host, lightning_host
+    from . import bwd_host, fwd_host, indexer_host, lightning_host, lightning_scores_host
 
     compiled = {}
     for dtype in dtypes:
@@ -129,6 +138,9 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     if lightning_heads:
         compiled.update(lightning_host.precompile_scores(
             arch, dtypes=dtypes, heads=lightning_heads, causal=lightning_causal))
+    if lightning_scores:
+        compiled.update(lightning_scores_host.precompile_scores(
+            arch, dtypes=dtypes, deterministic=lightning_scores_deterministic))
     return compiled
 
 
@@ -156,3 +168,20 @@ def lightning_indexer(q, k, weights, q_positions, topk):
     from . import lightning_indexer_host
 
     return lightning_indexer_host.lightning_indexer(q, k, weights, q_positions, topk)
+
+
+def lightning_indexer_scores(q, k, weights, indices):
+    """See :func:`mla_inductor.kernels.sm90.lightning_scores_host.forward`."""
+    from . import lightning_scores_host
+
+    return lightning_scores_host.forward(q, k, weights, indices)
+
+
+def lightning_indexer_scores_bwd(dscores, q, k, weights, indices):
+    """See :func:`mla_inductor.kernels.sm90.lightning_scores_host.backward`; dk in 64-bit fixed
+    point (bitwise reproducible) under ``torch.use_deterministic_algorithms(True)``."""
+    from . import lightning_scores_host
+
+    return lightning_scores_host.backward(
+        dscores, q, k, weights, indices,
+        deterministic=torch.are_deterministic_algorithms_enabled())

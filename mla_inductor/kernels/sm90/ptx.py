@@ -125,3 +125,15 @@ def st_global_v4_b32(addr: Int64, a: Int32, b: Int32, c: Int32, d: Int32, pred: 
         loc=loc,
         ip=ip,
     )
+
+
+@dsl_user_op
+def f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    """The bit pattern of ``x`` (``mov.b32``)."""
+    return Int32(_asm("mov.b32 $0, $1;", "=r,f", (Float32(x),), T.i32(), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f32_from_bits(x: Int32, *, loc=None, ip=None) -> Float32:
+    """The float32 whose bit pattern is ``x`` (``mov.b32``)."""
+    return Float32(_asm("mov.b32 $0, $1;", "=f,r", (Int32(x),), T.f32(), loc=loc, ip=ip))
