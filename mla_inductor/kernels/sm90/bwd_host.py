@@ -15,7 +15,7 @@ import torch
 from ..cache import KernelCache
 from . import SUPPORTED_DIMS
 from .host import DKV_GROUP as _GROUP
-from .host import compile_for_arch, contiguous_aligned, int32_contiguous
+from .host import compile_for_arch, contiguous_aligned, fixed_point_scale_for, int32_contiguous
 
 _CACHE = KernelCache("mla_sm90_bwd")
 
@@ -223,11 +223,6 @@ def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, *
     return dq, dkv_from_accum(dkv_accum, kv.dtype), d_sink
 
 
-# Bits kept free above the bound of fixed_point_scale: the bound covers every partial sum, and
-# the kernel's bf16 rounding of P and dS adds at most 1% to it.
-_FIXED_HEADROOM = 2
-
-
 def fixed_point_scale(dout, q, kv, dlse, sm_scale, d_v):
     """The deterministic backward's fixed-point scale, computed on the device (no host
     synchronisation): ``(scale [1] float32, inverse [] float64)``, ``scale = 2**k`` with ``k``
@@ -251,12 +246,7 @@ def fixed_point_scale(dout, q, kv, dlse, sm_scale, d_v):
 
     m_do, m_q, m_kv, m_dlse = amax(dout), amax(q), amax(kv), amax(dlse)
     bound = T * H * (m_do + float(sm_scale) * m_q * (2 * d_v * m_do * m_kv + m_dlse))
-    finite = torch.isfinite(bound)
-    k = (63 - _FIXED_HEADROOM) - torch.ceil(torch.log2(torch.where(finite, bound, 1.0)))
-    k = k.clamp(-126, 126)  # a zero bound (log2 = -inf) gives 126
-    scale = torch.exp2(k).to(torch.float32).reshape(1)
-    inverse = torch.where(finite, torch.exp2(-k), torch.nan)
-    return scale, inverse
+    return fixed_point_scale_for(bound)
 
 
 def dkv_from_fixed(dkv_accum: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -18,6 +18,26 @@ FWD_TILE_H = 64  # heads per forward tile (one wgmma M); the persistent grid wal
 DKV_GROUP = 16  # the backward's dkv_accum columns are interleaved within aligned groups of 16
 
 
+# Bits kept free above a fixed-point bound: the bound covers every partial sum, and a kernel's
+# bf16 / fp16 rounding of its terms adds at most 1% to it.
+FIXED_HEADROOM = 2
+
+
+def fixed_point_scale_for(bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The power-of-two scale of a 64-bit fixed-point accumulator whose partial sums are at most
+    ``bound`` in magnitude (a float64 0-d tensor, on the device: no host synchronisation):
+    ``scale = 2**k`` with ``k = 63 - FIXED_HEADROOM - ceil(log2 bound)``, clamped to [-126, 126]
+    (a zero bound gives 126), as a ``[1]`` float32 tensor, and its inverse in float64, NaN when
+    the bound is not finite (so that a non-finite input gives NaN, never a wrapped integer).
+    Raises nothing."""
+    finite = torch.isfinite(bound)
+    k = (63 - FIXED_HEADROOM) - torch.ceil(torch.log2(torch.where(finite, bound, 1.0)))
+    k = k.clamp(-126, 126)
+    scale = torch.exp2(k).to(torch.float32).reshape(1)
+    inverse = torch.where(finite, torch.exp2(-k), torch.nan)
+    return scale, inverse
+
+
 def contiguous_aligned(x: torch.Tensor) -> torch.Tensor:
     """``x`` (any shape and dtype) if it is contiguous and starts 16-byte aligned, else a
     contiguous copy that does (the kernels read 16-byte vectors). Raises nothing."""

@@ -15,13 +15,10 @@ from ..cache import KernelCache
 from . import LIGHTNING_D as D
 from . import LIGHTNING_MAX_HEADS as MAX_HEADS
 from .bwd_host import dkv_from_accum
-from .host import compile_for_arch, contiguous_aligned
+from .host import compile_for_arch, contiguous_aligned, fixed_point_scale_for
 
 _CACHE = KernelCache("mla_sm90_lightning_indexer_scores")
 INT32_MAX = 2**31 - 1
-# Bits kept free above the bound of fixed_point_scale (the bound covers every partial sum; the
-# kernel's rounding of dS to q's dtype adds at most 2**-8 to it).
-_FIXED_HEADROOM = 2
 
 
 def forward_key(dtype: torch.dtype, arch: str = "sm_90a") -> tuple:
@@ -186,9 +183,4 @@ def fixed_point_scale(dscores: torch.Tensor, q: torch.Tensor, weights: torch.Ten
     m_w = weights.abs().amax().to(torch.float64)
     m_q = q.abs().amax().to(torch.float64)
     bound = float(R * topk * H) * m_g * m_w * m_q
-    finite = torch.isfinite(bound)
-    e = (63 - _FIXED_HEADROOM) - torch.ceil(torch.log2(torch.where(finite, bound, 1.0)))
-    e = e.clamp(-126, 126)  # a zero bound (log2 = -inf) gives 126
-    scale = torch.exp2(e).to(torch.float32).reshape(1)
-    inverse = torch.where(finite, torch.exp2(-e), torch.nan)
-    return scale, inverse
+    return fixed_point_scale_for(bound)
