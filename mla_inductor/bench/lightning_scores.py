@@ -21,6 +21,7 @@ import datetime
 
 import torch
 
+from ..numerics import rel_l2
 from .problems import require_sm90
 from .timing import time_ms_interleaved
 
@@ -63,12 +64,6 @@ def make_problem(T: int, H: int, D: int, topk: int, seed: int = 0):
     indices = random_indices(T, T, topk, "cuda", gen)
     target = torch.rand(1, T, topk, device="cuda", generator=gen)
     return q, k, w, indices, target / target.sum(-1, keepdim=True)
-
-
-def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """``|x - ref| / |ref|`` in float64 (L2 norms over all elements)."""
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def bench_lightning_scores(Ts, H: int, D: int, topk: int, rounds: int = 5) -> None:

@@ -1,5 +1,6 @@
 """What the SM90 kernels (:mod:`.fwd`, :mod:`.bwd`, :mod:`.indexer`) share: the byte offsets
-of the 128-byte-swizzled tiles their producers fill with ``cp.async``, the CuTe DSL
+of the 128-byte-swizzled tiles their producers fill with ``cp.async`` and the layouts and
+transposed views of such tiles that their wgmma operands take, the CuTe DSL
 target-architecture switch for compiling without a GPU, and the symbolic fake inputs the gather
 kernels compile against. It imports the CuTe DSL; what the launchers share is in :mod:`.host`.
 """
@@ -11,6 +12,7 @@ from typing import NamedTuple, Optional
 
 import cutlass.cute as cute
 from cutlass import BFloat16, Float16, Float32, Int32
+from cutlass.cute.nvgpu import warpgroup
 
 SWIZZLE_CHUNK_ROWS = 64  # rows of one 64-column chunk of a swizzled tile
 TORCH_TO_CUTE = {"bfloat16": BFloat16, "float16": Float16}
@@ -22,6 +24,19 @@ def sw128_offset_bytes(row, vec, chunk):
     contiguous within a chunk, chunks of 64 rows contiguous): the layout the kernels' ``_layouts``
     build and the wgmma descriptors read (the GPU tests check the two agree)."""
     return chunk * (SWIZZLE_CHUNK_ROWS * 128) + row * 128 + ((vec ^ (row & 7)) << 4)
+
+
+def transposed(t):
+    """View of a 2-D shared-memory tensor with its two modes swapped."""
+    return cute.composition(
+        t, cute.make_ordered_layout((t.shape[1], t.shape[0]), order=(1, 0))
+    )
+
+
+def kmajor_sw128(dtype, rows: int, cols: int):
+    """K-major 128-byte-swizzled layout; 64-column slabs are contiguous (rows first)."""
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype)
+    return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
 
 
 @contextlib.contextmanager

@@ -75,15 +75,13 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import BFloat16, Float16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
-from cutlass.cutlass_dsl import T as IrT
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.utils import LayoutEnum
 
 from . import LIGHTNING_D as D
 from . import LIGHTNING_HEAD_TILES as HEAD_TILES
 from . import LIGHTNING_TILE_N as TILE_N
 from .common import TORCH_TO_CUTE, sw128_offset_bytes
-from .ptx import _asm, cp_async_4, cp_async_16, cp_async_wait_all, create_policy
+from .ptx import cp_async_4, cp_async_16, cp_async_wait_all, create_policy, relu_nan
 
 TILE_KEYS = 64  # keys per block (wgmma M)
 CHUNK = 64  # columns of one 128-byte swizzle atom of 2-byte elements
@@ -92,13 +90,6 @@ NUM_THREADS = 384
 REGS_PRODUCER, REGS_CONSUMER = 40, 232  # 40 + 2 x 232 = 3 x 168 (the launch allocation)
 SMEM_LIMIT = 227 * 1024
 BAR_TURN = 1  # named barriers BAR_TURN + role: "consumer `role` may issue its next block"
-
-
-@dsl_user_op
-def relu_nan(x: Float32, *, loc=None, ip=None) -> Float32:
-    """``max(x, 0)`` that keeps a NaN (``max.NaN.f32``)."""
-    return Float32(_asm("max.NaN.f32 $0, $1, 0f00000000;", "=f,f", (Float32(x),), IrT.f32(),
-                        loc=loc, ip=ip))
 
 
 class LightningScoresSm90:

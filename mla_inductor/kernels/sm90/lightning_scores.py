@@ -70,10 +70,8 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import BFloat16, Float16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from .bwd import kmajor_sw128, transposed
-from .common import TORCH_TO_CUTE, sw128_offset_bytes
+from .common import TORCH_TO_CUTE, kmajor_sw128, sw128_offset_bytes, transposed
 from .host import DKV_GROUP
-from .lightning import relu_nan
 from .ptx import (
     cp_async_16,
     create_policy,
@@ -82,6 +80,7 @@ from .ptx import (
     opaque_i32,
     red_add_f32x4,
     red_add_fixed64,
+    relu_nan,
     st_shared_b32,
 )
 

@@ -137,3 +137,10 @@ def f32_bits(x: Float32, *, loc=None, ip=None) -> Int32:
 def f32_from_bits(x: Int32, *, loc=None, ip=None) -> Float32:
     """The float32 whose bit pattern is ``x`` (``mov.b32``)."""
     return Float32(_asm("mov.b32 $0, $1;", "=f,r", (Int32(x),), T.f32(), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def relu_nan(x: Float32, *, loc=None, ip=None) -> Float32:
+    """``max(x, 0)`` that keeps a NaN (``max.NaN.f32``)."""
+    return Float32(_asm("max.NaN.f32 $0, $1, 0f00000000;", "=f,f", (Float32(x),), T.f32(),
+                        loc=loc, ip=ip))
