@@ -14,7 +14,7 @@ For the flattened rows ``r = b * T + t`` (``q [R, H, D]``, ``weights [R, H]`` fl
 
 A slot is empty when its index is < 0 or >= S: its key row is zero-filled in shared memory
 (``cp.async`` with source size 0: never read), its logits are forced to 0, its score is stored
-as exactly 0, its ``dscores`` is never read and its dk row never written. relu keeps a NaN
+as exactly 0, its ``dscores`` is ignored and its dk row never written. relu keeps a NaN
 (``max.NaN``), as ``torch.relu`` does; relu's gradient is 0 at exactly 0 and at NaN.
 
 Design
@@ -31,8 +31,14 @@ Design
 * Key blocks stream through a ring of :data:`FWD_STAGES` (forward) or :data:`BWD_STAGES`
   (backward) 16 KiB stages, filled with 16-byte ``cp.async.cg`` (16 threads per 256-byte key
   row, 64-bit source addresses ``(b S + index) D``), one commit group per block; block ``i +
-  stages - 1`` is issued while block ``i`` is computed. Every thread loads and computes (no warp
-  specialisation): two or more CTAs per SM overlap one another's gathers and MMAs.
+  stages - 1`` is issued while block ``i`` is computed. The indices a thread gathers are loaded
+  into registers one block before their gather, and the indices of the accumulator's key rows
+  (the backward: and their ``dscores``) are loaded before the logits' wait, so that no load's
+  latency is exposed at the top of a block. Every thread loads and computes (no warp
+  specialisation): three CTAs per SM (forward) or two (backward, bounded by its registers)
+  overlap one another's gathers and MMAs. (H200, T 16384, 64 heads, topk 2048, 2026-12-02: the
+  early index loads took the forward from 2.51 to 2.06 ms and the backward from 6.96 to 6.57
+  ms; 3 stages and three CTAs per SM instead of 5 and two took the forward to 1.76 ms.)
 * Backward, per block: the logits as above; ``dS^T`` (fp32, from the weights and the block's
   ``dscores``) and the ``dweights`` partial sums in registers; ``dS^T`` rounded to q's dtype
   once and stored to a swizzled 64 x 64 tile; then two wgmmas read it: ``dq += dS K`` (m64n128,
@@ -88,7 +94,7 @@ D = 128  # the index head width
 TILE_KEYS = 64  # keys per block (wgmma M of the logits)
 HEAD_TILE = 64  # heads per CTA, padded (wgmma N of the logits, M of dq)
 NUM_THREADS = 128  # one warpgroup
-FWD_STAGES = 5  # key blocks in flight, forward: 16 + 5 x 16 KiB, two CTAs per SM
+FWD_STAGES = 3  # key blocks in flight, forward: 16 + 3 x 16 KiB, three CTAs per SM
 BWD_STAGES = 4  # backward: 16 + 8 + 4 x 16 KiB (+ 1 KiB), two CTAs per SM
 FP16_DS_EXPONENT = 14  # float16 dS is scaled per row into [2**13, 2**14) at its largest
 TILE_BYTES = TILE_KEYS * D * 2  # one key block (and the Q tile) in shared memory
@@ -140,20 +146,30 @@ class _ScoresTile:
                         cutlass.select_(ok, Int32(16), Int32(0)))
 
     @cute.jit
-    def gather(self, mK: cute.Tensor, mIdx: cute.Tensor, row: Int32, k_row0: Int64,
-               seq_k: Int32, topk: Int32, blk: Int32, stage_addr, t: Int32):
-        """Issues the ``cp.async`` gather of key block ``blk`` of row ``row`` into the stage at
-        ``stage_addr``: thread ``t`` copies 16-byte vector ``t % 16`` of the block's key rows
-        ``8 p + t // 16``; empty slots and slots past topk are zero-filled without a read. No
-        commit."""
+    def block_indices(self, mIdx: cute.Tensor, row: Int32, topk: Int32, blk: Int32,
+                      nidx: cute.Tensor, t: Int32):
+        """Loads into ``nidx[p]`` the index of slot ``64 blk + 8 p + t // 16``, the key rows that
+        thread ``t`` gathers of block ``blk`` (-1 past topk, not read). Loaded one block before
+        the gather that uses them, so that their latency hides behind a block's MMAs."""
+        for p in cutlass.range_constexpr(TILE_KEYS // 8):
+            slot = blk * TILE_KEYS + p * 8 + t // 16
+            idx = Int32(-1)
+            if slot < topk:
+                idx = mIdx[row, slot]
+            nidx[p] = idx
+
+    @cute.jit
+    def gather(self, mK: cute.Tensor, k_row0: Int64, seq_k: Int32, nidx: cute.Tensor,
+               stage_addr, t: Int32):
+        """Issues the ``cp.async`` gather of a key block into the stage at ``stage_addr``: thread
+        ``t`` copies 16-byte vector ``t % 16`` of the block's key rows ``8 p + t // 16``, whose
+        indices are ``nidx[p]`` (:meth:`block_indices`); empty slots (and -1) are zero-filled
+        without a read. No commit."""
         v = t % 16
         k_base = mK.iterator.toint()
         for p in cutlass.range_constexpr(TILE_KEYS // 8):
             r = p * 8 + t // 16
-            slot = blk * TILE_KEYS + r
-            idx = Int32(-1)
-            if slot < topk:
-                idx = mIdx[row, slot]
+            idx = nidx[p]
             ok = (idx >= 0) & (idx < seq_k)
             src = cutlass.select_(ok, k_base + ((k_row0 + Int64(idx)) * D + v * 8) * 2, k_base)
             cp_async_16(stage_addr + sw128_offset_bytes(r, v % 8, v // 8), src,
@@ -161,30 +177,34 @@ class _ScoresTile:
 
     @cute.jit
     def prologue(self, mQ, mK, mIdx, row, k_row0, num_heads, seq_k, topk, n_blocks, sq_addr,
-                 ring_addr, t):
+                 ring_addr, nidx, t):
         """Q and the first ``stages - 1`` key blocks, one commit group per block (Q in the
         first); a block past the row's last is an empty group, so that the main loop's
-        ``cp.async.wait_group`` count is the same in every iteration."""
+        ``cp.async.wait_group`` count is the same in every iteration. Leaves the indices of
+        block ``stages - 1`` in ``nidx``."""
         self.load_q(mQ, row, num_heads, sq_addr, t)
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < n_blocks:
-                self.gather(mK, mIdx, row, k_row0, seq_k, topk, Int32(s),
-                            ring_addr + s * TILE_BYTES, t)
+                self.block_indices(mIdx, row, topk, Int32(s), nidx, t)
+                self.gather(mK, k_row0, seq_k, nidx, ring_addr + s * TILE_BYTES, t)
             cute.arch.cp_async_commit_group()
+        self.block_indices(mIdx, row, topk, Int32(self.stages - 1), nidx, t)
 
     @cute.jit
-    def next_block(self, mK, mIdx, row, k_row0, seq_k, topk, blk, n_blocks, ring_addr, t):
+    def next_block(self, mK, mIdx, row, k_row0, seq_k, topk, blk, n_blocks, ring_addr, nidx, t):
         """Start of iteration ``blk``: waits until block ``blk`` has landed in every thread's
         copies (and every thread is done with block ``blk - 1``), then issues block
-        ``blk + stages - 1`` into the stage block ``blk - 1`` used (or an empty group)."""
+        ``blk + stages - 1`` (indices in ``nidx``) into the stage block ``blk - 1`` used (or an
+        empty group), and loads the next block's indices into ``nidx``."""
         cute.arch.cp_async_wait_group(self.stages - 2)
         cute.arch.fence_view_async_shared()  # cp.async (generic proxy) -> wgmma (async proxy)
         cute.arch.sync_threads()
         ahead = blk + self.stages - 1
         if ahead < n_blocks:
-            self.gather(mK, mIdx, row, k_row0, seq_k, topk, ahead,
-                        ring_addr + (ahead % self.stages) * TILE_BYTES, t)
+            self.gather(mK, k_row0, seq_k, nidx, ring_addr + (ahead % self.stages) * TILE_BYTES,
+                        t)
         cute.arch.cp_async_commit_group()
+        self.block_indices(mIdx, row, topk, ahead + 1, nidx, t)
 
     @cute.jit
     def logits(self, acc: cute.Tensor, stage_addr, sq_addr, t: Int32):
@@ -262,8 +282,9 @@ class LightningScoresForwardSm90(_ScoresTile):
         sq_addr = sQ.iterator.toint()
         ring_addr = sRing.iterator.toint()
 
+        nidx = cute.make_rmem_tensor((TILE_KEYS // 8,), Int32)
         self.prologue(mQ, mK, mIdx, row, k_row0, num_heads, seq_k, topk, n_blocks, sq_addr,
-                      ring_addr, t)
+                      ring_addr, nidx, t)
         wr = cute.make_rmem_tensor((HEAD_TILE // 4,), Float32)
         self.load_weights(mW, row, num_heads, wr, t)
         mma = _mma(self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
@@ -271,7 +292,10 @@ class LightningScoresForwardSm90(_ScoresTile):
         acc = cute.make_rmem_tensor(mma.partition_shape_C((TILE_KEYS, HEAD_TILE)), Float32)
         quad = t % 4
         for blk in cutlass.range(n_blocks, unroll=1):
-            self.next_block(mK, mIdx, row, k_row0, seq_k, topk, blk, n_blocks, ring_addr, t)
+            self.next_block(mK, mIdx, row, k_row0, seq_k, topk, blk, n_blocks, ring_addr, nidx,
+                            t)
+            # this thread's two key rows, loaded before the MMA's wait hides their latency
+            slots = tuple(self.slot_of(mIdx, row, seq_k, topk, blk, hh, t) for hh in range(2))
             self.logits(acc, ring_addr + (blk % self.stages) * TILE_BYTES, sq_addr, t)
             for hh in cutlass.range_constexpr(2):
                 part = Float32(0.0)
@@ -282,7 +306,7 @@ class LightningScoresForwardSm90(_ScoresTile):
                         part = part + cutlass.select_(h < num_heads, term, Float32(0.0))
                 part = part + cute.arch.shuffle_sync_bfly(part, offset=1)
                 part = part + cute.arch.shuffle_sync_bfly(part, offset=2)
-                slot, _, valid = self.slot_of(mIdx, row, seq_k, topk, blk, hh, t)
+                slot, _, valid = slots[hh]
                 if (quad == hh) & (slot < topk):
                     mScores[row, slot] = cutlass.select_(valid, part, Float32(0.0))
 
@@ -333,8 +357,9 @@ class LightningScoresBackwardSm90(_ScoresTile):
         ring_addr = sRing.iterator.toint()
         ds_addr = sDS.iterator.toint()
 
+        nidx = cute.make_rmem_tensor((TILE_KEYS // 8,), Int32)
         self.prologue(mQ, mK, mIdx, row, k_row0, num_heads, seq_k, topk, n_blocks, sq_addr,
-                      ring_addr, t)
+                      ring_addr, nidx, t)
         wr = cute.make_rmem_tensor((HEAD_TILE // 4,), Float32)
         self.load_weights(mW, row, num_heads, wr, t)
         dw = cute.make_rmem_tensor((HEAD_TILE // 4,), Float32)
@@ -356,14 +381,15 @@ class LightningScoresBackwardSm90(_ScoresTile):
         quad = t % 4
 
         for blk in cutlass.range(n_blocks, unroll=1):
-            self.next_block(mK, mIdx, row, k_row0, seq_k, topk, blk, n_blocks, ring_addr, t)
+            self.next_block(mK, mIdx, row, k_row0, seq_k, topk, blk, n_blocks, ring_addr, nidx,
+                            t)
             stage_addr = ring_addr + (blk % self.stages) * TILE_BYTES
+            # this thread's two key rows and their dscores (read whatever the index, then
+            # selected: no load waits on another), loaded before the MMA's wait
             self.logits(acc, stage_addr, sq_addr, t)
             for hh in cutlass.range_constexpr(2):
                 slot, idx, valid = self.slot_of(mIdx, row, seq_k, topk, blk, hh, t)
-                g = Float32(0.0)
-                if valid:
-                    g = mdS[row, slot]
+                g = cutlass.select_(valid, self.slot_grad(mdS, row, topk, slot), Float32(0.0))
                 g_scaled = g * scale
                 rows[hh] = cutlass.select_(valid, idx, Int32(-1))
                 for j in cutlass.range_constexpr(HEAD_TILE // 8):
@@ -406,6 +432,14 @@ class LightningScoresBackwardSm90(_ScoresTile):
                 acc_dq[i] = acc_dq[i] * inverse
         self.store_dq(acc_dq, thr_dq, mdQ, row, num_heads)
         self.store_dweights(dw, sDW, mdW, row, num_heads, t)
+
+    @cute.jit
+    def slot_grad(self, mdS: cute.Tensor, row: Int32, topk: Int32, slot: Int32):
+        """``dscores[row, slot]`` (0 past topk, not read)."""
+        g = Float32(0.0)
+        if slot < topk:
+            g = mdS[row, slot]
+        return g
 
     @cute.jit
     def ds_scale(self, mdS: cute.Tensor, mIdx: cute.Tensor, row: Int32, seq_k: Int32,

@@ -126,7 +126,7 @@ def backward(dscores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, weights: t
     :func:`forward`'s). dk is accumulated in float32 with atomic adds (its last bits may differ
     from run to run) or, with ``deterministic``, in 64-bit fixed point (:func:`fixed_point_scale`;
     bitwise the same in every run; the accumulator takes ``B S D`` x 8 bytes instead of 4). dq
-    and dweights are always deterministic (no atomics). Empty slots' ``dscores`` are never read.
+    and dweights are always deterministic (no atomics). Empty slots' ``dscores`` are ignored.
 
     Raises:
         ValueError: :func:`check`.
