@@ -13,7 +13,8 @@ logits of exactly those keys, with their gradients:
   [B, S, D]`` q's dtype, ``weights [B, T, H]`` float32, ``indices [B, T, topk]`` int32 local to
   each batch element (< 0 or >= S: an empty slot, never read); returns ``scores [B, T, topk]``
   float32, contiguous, exactly 0 on empty slots. Differentiable in q, k and weights.
-- ``lightning_indexer_scores_bwd(dscores, q, k, weights, indices) -> (dq, dk, dweights)``:
+- ``lightning_indexer_scores_bwd(dscores, q, k, weights, indices, deterministic=False) -> (dq,
+  dk, dweights)``:
   ``dscores [B, T, topk]`` float32; ``dq`` like q, ``dk [B, S, D]`` in k's dtype (float32
   accumulation, once per occurrence of a duplicated index), ``dweights [B, T, H]`` float32.
   relu's gradient is 0 where ``q . k <= 0``: at exactly 0 it is 0, as ``torch.relu``'s. Empty
@@ -127,10 +128,16 @@ def _(q, k, weights, indices):
 @torch.library.custom_op("mla_inductor::lightning_indexer_scores_bwd", mutates_args=(),
                          tags=_LAYOUT)
 def lightning_indexer_scores_bwd(dscores: Tensor, q: Tensor, k: Tensor, weights: Tensor,
-                                 indices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                                 indices: Tensor, deterministic: bool = False
+                                 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq [B, T, H, D] in q's dtype, dk [B, S, D] in k's dtype, dweights [B, T, H] float32)``
     for ``dscores [B, T, topk]`` float32 on the backend :mod:`mla_inductor.backends` selects
     (module docstring).
+
+    ``deterministic``: results bitwise identical from run to run (dk accumulated in 64-bit fixed
+    point on sm90; the reference's ``index_add_`` under PyTorch's deterministic mode). The
+    autograd formula passes ``torch.are_deterministic_algorithms_enabled()`` as it is when the
+    backward is traced, so a compiled backward keeps the choice it was captured with.
 
     Raises:
         RuntimeError: :func:`check_inputs` and :func:`check_dscores` (also from the fake kernel
@@ -138,15 +145,16 @@ def lightning_indexer_scores_bwd(dscores: Tensor, q: Tensor, k: Tensor, weights:
     """
     check_inputs(q, k, weights, indices)
     check_dscores(dscores, indices)
-    backend = backends.select(q.device, q.dtype, "lightning_indexer_scores_bwd", _dims(q, k))
+    backend = backends.select(q.device, q.dtype, "lightning_indexer_scores_bwd", _dims(q, k),
+                              deterministic=deterministic)
     return backend.lightning_indexer_scores_bwd(
         dscores.contiguous(), q.contiguous(), k.contiguous(), weights.contiguous(),
-        indices.contiguous(),
+        indices.contiguous(), deterministic,
     )
 
 
 @lightning_indexer_scores_bwd.register_fake
-def _(dscores, q, k, weights, indices):
+def _(dscores, q, k, weights, indices, deterministic=False):
     check_inputs(q, k, weights, indices)
     check_dscores(dscores, indices)
     lowering.install()
@@ -159,7 +167,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dscores):
     q, k, weights, indices = ctx.saved_tensors
-    dq, dk, dweights = lightning_indexer_scores_bwd(dscores.contiguous(), q, k, weights, indices)
+    dq, dk, dweights = lightning_indexer_scores_bwd(dscores.contiguous(), q, k, weights, indices,
+                                                    torch.are_deterministic_algorithms_enabled())
     return dq, dk, dweights, None
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import CPU_BACKENDS, random_inputs
 
-from mla_inductor import backends, demo, sparse_mla, use_backend
+from mla_inductor import backends, demo, lightning_indexer_scores, sparse_mla, use_backend
 from mla_inductor.kernels.sm90 import bwd_host
 
 
@@ -69,30 +69,41 @@ def test_auto_keeps_sm90_and_refuses_sm100_under_deterministic_mode(fake_gpu, mo
         backends.select(cuda, torch.bfloat16, "backward", dims)
 
 
-def _backward_flags(mode_on: bool) -> list:
-    """The ``deterministic`` argument of every sparse_mla_bwd call in the backward graph that
-    torch.compile captures with the mode ``mode_on``."""
+def _backward_flags(mode_on: bool, loss, leaf, op, position: int) -> list:
+    """The ``deterministic`` argument (positional ``position``) of every ``op`` call in the
+    backward graph that torch.compile captures of ``loss(leaf)`` with the mode ``mode_on``."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     torch._dynamo.reset()
     backend = AotEagerAndRecordGraphs()
-    q, kv, idx = random_inputs(4, 2, 16, 12, 5, dtype=torch.float32, seed=3)
-    q.requires_grad_()
-    fn = torch.compile(lambda x: sparse_mla(x, kv, idx, d_v=8), backend=backend, fullgraph=True)
+    fn = torch.compile(loss, backend=backend, fullgraph=True)
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(mode_on)
     try:
-        fn(q).sum().backward()
+        fn(leaf.detach().clone().requires_grad_()).backward()
     finally:
         torch.use_deterministic_algorithms(before)
-    return [n.args[13] if len(n.args) > 13 else n.kwargs.get("deterministic", False)
-            for graph in backend.bw_graphs for n in graph.graph.nodes
-            if n.target == torch.ops.mla_inductor.sparse_mla_bwd.default]
+    return [n.args[position] if len(n.args) > position else n.kwargs.get("deterministic", False)
+            for graph in backend.bw_graphs for n in graph.graph.nodes if n.target == op]
 
 
 def test_the_choice_is_captured_into_the_backward_graph():
-    assert _backward_flags(True) == [True]
-    assert _backward_flags(False) == [False]
+    q, kv, idx = random_inputs(4, 2, 16, 12, 5, dtype=torch.float32, seed=3)
+    args = (lambda x: sparse_mla(x, kv, idx, d_v=8).sum(), q,
+            torch.ops.mla_inductor.sparse_mla_bwd.default, 13)
+    assert _backward_flags(True, *args) == [True]
+    assert _backward_flags(False, *args) == [False]
+
+
+def test_the_scores_choice_is_captured_into_the_backward_graph():
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 4, 2, 8, generator=g), torch.randn(1, 6, 8, generator=g)
+    w = torch.randn(1, 4, 2, generator=g)
+    idx = torch.randint(-1, 7, (1, 4, 3), generator=g, dtype=torch.int32)
+    args = (lambda x: lightning_indexer_scores(x, k, w, idx).sum(), q,
+            torch.ops.mla_inductor.lightning_indexer_scores_bwd.default, 5)
+    assert _backward_flags(True, *args) == [True]
+    assert _backward_flags(False, *args) == [False]
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -117,8 +128,9 @@ def test_the_cpu_backends_are_deterministic(backend, deterministic):
 
 
 def test_the_reference_backward_turns_the_mode_on_when_asked():
-    """A backward captured with the mode on runs its index_add_ under the mode even when the
-    mode is off at run time, and leaves the mode as it found it."""
+    """A backward captured with the mode on (sparse_mla's and the indexer scores') runs its
+    index_add_ under the mode even when the mode is off at run time, and leaves the mode as it
+    found it."""
     from mla_inductor.kernels import reference
 
     seen = []
@@ -130,15 +142,18 @@ def test_the_reference_backward_turns_the_mode_on_when_asked():
 
     q, kv, idx = random_inputs(3, 2, 16, 10, 4, dtype=torch.float32, seed=4)
     dout = torch.randn(3, 2, 8)
+    qi, ki, wi = torch.randn(1, 3, 2, 8), torch.randn(1, 10, 8), torch.randn(1, 3, 2)
     torch.Tensor.index_add_ = spy
     try:
         assert not torch.are_deterministic_algorithms_enabled()
         for flag in (True, False):
             reference.backward(dout, None, q, kv, idx, None, None, None, None, None, None,
                                0.25, 8, deterministic=flag)
+            reference.lightning_indexer_scores_bwd(torch.randn(1, 3, 4), qi, ki, wi, idx[None],
+                                                   flag)
     finally:
         torch.Tensor.index_add_ = real
-    assert seen == [True, False]
+    assert seen == [True, True, False, False]
     assert not torch.are_deterministic_algorithms_enabled()
 
 

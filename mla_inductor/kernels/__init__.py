@@ -74,9 +74,11 @@ sm_scale, d_v, deterministic=False) -> (dq, dkv, d_sink)``
     k[b, indices[b, t, j]])`` with fp32 products and accumulation, exactly 0 on empty slots.
     Dispatched as ``"lightning_indexer_scores"`` with dims ``(T, H, S, D, 0, frozenset())``.
 
-``lightning_indexer_scores_bwd(dscores, q, k, weights, indices) -> (dq, dk, dweights)``
-(optional)
-    Its backward: ``dscores [B, T, topk]`` float32, the rest as the forward's. Returns contiguous
+``lightning_indexer_scores_bwd(dscores, q, k, weights, indices, deterministic) -> (dq, dk,
+dweights)`` (optional)
+    Its backward: ``dscores [B, T, topk]`` float32, the rest as the forward's; ``deterministic``:
+    bitwise the same results in every run (the op's autograd formula passes the mode as traced,
+    as for ``backward``). Returns contiguous
     ``dq [B, T, H, D]`` in q's dtype, ``dk [B, S, D]`` in k's dtype (fp32 accumulation over the
     valid slots, once per occurrence of a duplicated index, as the attention backward's dkv; rows
     no valid slot names get exact zeros) and ``dweights [B, T, H]`` float32; relu's gradient is 0

@@ -52,6 +52,7 @@ from typing import Optional
 import torch
 
 from mla_inductor.kernels import reference
+from mla_inductor.kernels.determinism import deterministic_mode
 
 BLOCK_N = 64
 _CHUNK_ELEMENTS = 1 << 23  # fp32 elements alive per token chunk (32 MiB)
@@ -193,10 +194,10 @@ def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, ou
     every key but each row's dominant key (P above 1/2), whose dS comes from the row's other
     keys, as the SM90 kernel forms it (its ``dP - dpsum`` would cancel on very peaked rows: the
     peakedness ladder of :mod:`mla_inductor.numerics`). ``deterministic`` as the reference's
-    (:func:`mla_inductor.kernels.reference.deterministic_mode`)."""
+    (:func:`mla_inductor.kernels.determinism.deterministic_mode`)."""
     o_full = out.float() + o_lo.float() if o_lo.numel() else out.float()
     dpsum = (dout.float() * o_full).sum(-1)  # [T, H]
-    with reference.deterministic_mode(deterministic):
+    with deterministic_mode(deterministic):
         return reference.gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum,
                                    q_positions=q_positions, attn_sink=attn_sink, dlse=dlse)
 

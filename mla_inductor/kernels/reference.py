@@ -28,12 +28,12 @@ gradients are in :mod:`mla_inductor.kernels.reference_lightning_scores` (both ex
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Optional
 
 import torch
 
+from .determinism import deterministic_mode
 from .reference_lightning import lightning_indexer  # noqa: F401  (the protocol function)
 from .reference_lightning_scores import (  # noqa: F401  (protocol functions of this backend)
     lightning_indexer_scores,
@@ -157,29 +157,11 @@ def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, ou
     ``|lse| * 2**-24``) would be a gain error on P, and ``rowsum(dout * out)`` cancels against
     ``dP`` of the dominant key on peaked rows (the kernels' form, see
     :func:`mla_inductor.kernels.emulate.backward`). With ``deterministic`` it runs under
-    PyTorch's deterministic mode (:func:`deterministic_mode`).
+    PyTorch's deterministic mode (:func:`.determinism.deterministic_mode`).
     """
     with deterministic_mode(deterministic):
         return gradients(dout, q, kv, indices, topk_length, sm_scale, d_v,
                          q_positions=q_positions, attn_sink=attn_sink, dlse=dlse)
-
-
-@contextlib.contextmanager
-def deterministic_mode(on: bool):
-    """PyTorch's deterministic mode for the block when ``on`` (and not already on), restored
-    after it: dkv's ``index_add_`` is then deterministic on CUDA too (PyTorch's list of ops
-    that act deterministically under ``torch.use_deterministic_algorithms(True)``); on a CPU it
-    always is. Lets a backward traced with the mode on stay deterministic when it runs with
-    the mode off."""
-    if not on or torch.are_deterministic_algorithms_enabled():
-        yield
-        return
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False, warn_only=warn_only)
 
 
 def gradients(dout, q, kv, indices, topk_length, sm_scale, d_v, dpsum=None, *, q_positions=None,

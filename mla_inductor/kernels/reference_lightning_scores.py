@@ -8,8 +8,8 @@ products and accumulation. The backward, with ``g = dscores`` and ``L[h, j] = q[
 ``dweights[h] = sum_j g[j] * relu(L[h, j])``, ``dL[h, j] = g[j] * weights[h] * [L[h, j] > 0]``
 (relu's gradient is 0 at exactly 0, as ``torch.relu``'s), ``dq[h] = sum_j dL[h, j] * k_j`` and
 ``dk[indices[j]] += sum_h dL[h, j] * q[h]``, accumulated in float32 with ``index_add_`` (once per
-occurrence of a duplicated index; deterministic on the CPU, and on CUDA under
-``torch.use_deterministic_algorithms(True)``).
+occurrence of a duplicated index; deterministic on the CPU, and on CUDA with ``deterministic``
+or under ``torch.use_deterministic_algorithms(True)``).
 
 Rows ``r = b * T + t`` are processed in chunks, so that the chunk's gathered keys ``[c, topk, D]``
 and logits ``[c, H, topk]`` (float32) stay within :data:`_CHUNK_ELEMENTS` elements; no
@@ -22,6 +22,8 @@ gives and gets no gradient.
 from __future__ import annotations
 
 import torch
+
+from .determinism import deterministic_mode
 
 _CHUNK_ELEMENTS = 1 << 22  # float32 elements of one chunk's gathered keys and logits (16 MiB)
 
@@ -87,14 +89,15 @@ def lightning_indexer_scores(q, k, weights, indices):
     return scores
 
 
-def lightning_indexer_scores_bwd(dscores, q, k, weights, indices):
+def lightning_indexer_scores_bwd(dscores, q, k, weights, indices, deterministic=False):
     """Reference backward; see the backend protocol in :mod:`mla_inductor.kernels`.
 
     ``dscores [B, T, topk]`` float32, the rest as :func:`lightning_indexer_scores`'s, all
     contiguous. Returns contiguous ``dq [B, T, H, D]`` in q's dtype, ``dk [B, S, D]`` in k's dtype
     (rows no valid slot names get exact zeros) and ``dweights [B, T, H]`` float32 (module
     docstring; float64 for float64 inputs). Empty slots contribute nothing, whatever their
-    ``dscores`` (NaN included).
+    ``dscores`` (NaN included). With ``deterministic`` dk's ``index_add_`` runs under PyTorch's
+    deterministic mode (:func:`.determinism.deterministic_mode`).
     """
     B, T, H, D = q.shape
     S, topk = k.shape[1], indices.shape[-1]
@@ -119,5 +122,6 @@ def lightning_indexer_scores_bwd(dscores, q, k, weights, indices):
                                   0.0)
             dq[r0:r1] = torch.bmm(dlogits, keys).to(q.dtype)
             dkeys = torch.bmm(dlogits.transpose(1, 2), qc)  # [c, topk, D]; 0 on empty slots
-            dk.index_add_(0, rows.reshape(-1), dkeys.reshape(-1, D))
+            with deterministic_mode(deterministic):
+                dk.index_add_(0, rows.reshape(-1), dkeys.reshape(-1, D))
     return dq.view(B, T, H, D), dk[:-1].view(B, S, D).to(k.dtype), dweights.view(B, T, H)

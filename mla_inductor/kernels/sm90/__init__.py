@@ -177,11 +177,10 @@ def lightning_indexer_scores(q, k, weights, indices):
     return lightning_scores_host.forward(q, k, weights, indices)
 
 
-def lightning_indexer_scores_bwd(dscores, q, k, weights, indices):
+def lightning_indexer_scores_bwd(dscores, q, k, weights, indices, deterministic=False):
     """See :func:`mla_inductor.kernels.sm90.lightning_scores_host.backward`; dk in 64-bit fixed
-    point (bitwise reproducible) under ``torch.use_deterministic_algorithms(True)``."""
+    point (bitwise reproducible) with ``deterministic``."""
     from . import lightning_scores_host
 
-    return lightning_scores_host.backward(
-        dscores, q, k, weights, indices,
-        deterministic=torch.are_deterministic_algorithms_enabled())
+    return lightning_scores_host.backward(dscores, q, k, weights, indices,
+                                          deterministic=deterministic)
