@@ -114,10 +114,30 @@ def test_hf_tiny_prints_every_row_on_the_cpu(capsys):
                     r".*, transformers 5\.24\.\d+, hidden 64, 4 heads, .* float32;", lines[0])
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[3:]]
     assert [(int(r[0]), r[1]) for r in rows] == [
-        (T, mode) for T in (64, 128) for mode in (*hf.MODES, *hf.INDEXER_ROWS)]
+        (T, mode) for T in (64, 128) for mode in (*hf.DEFAULT_MODES, *hf.INDEXER_ROWS)]
     for T, mode, ms, peak, speedup in rows:
         assert float(ms) > 0 and peak == "-"
         assert re.fullmatch(r"\d+\.\dx", speedup) if mode == "patched" else speedup == ""
+
+
+def test_hf_tiny_with_the_indexer_loss(capsys):
+    """``patched+loss`` times the step with the indexer loss backpropagated too: its last column
+    is its time over patched's, and its breakdown charges the loss's scores and target."""
+    pytest.importorskip("transformers")
+    cli.main(["hf", "--tiny", "--T", "64", "--warmup", "1", "--iters", "2", "--modes", "patched",
+              "patched+loss", "--breakdown"])
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in capsys.readouterr().out.splitlines()[3:]]
+    assert [r[1].split(",")[0] for r in rows] == ["patched", "patched+loss", "patched",
+                                                  "patched+loss", hf.INDEXER_ROWS[1]]
+    patched, loss = float(rows[0][2]), float(rows[1][2])
+    assert rows[0][4] == ""  # nothing unpatched to compare with
+    ratio = re.fullmatch(r"(\d+\.\d\d)x patched's time", rows[1][4])
+    assert ratio and float(ratio[1]) == pytest.approx(loss / patched, rel=0.1)  # ms rounded
+    parts = {name.strip(): float(ms) for name, ms in
+             re.findall(r"([a-z ]+) (-?\d+\.\d)", rows[3][1].split("ms:")[1])}
+    assert parts["indexer scores"] > 0 and parts["indexer target"] > 0
+    assert float(re.search(r"indexer scores (\d+\.\d)", rows[2][1])[1]) == 0
 
 
 def test_hf_reports_an_out_of_memory_and_goes_on(monkeypatch, capsys):
@@ -136,7 +156,7 @@ def test_hf_reports_an_out_of_memory_and_goes_on(monkeypatch, capsys):
     rows = [[c.strip() for c in line.strip("|").split("|")]
             for line in capsys.readouterr().out.splitlines()[3:]]
     assert rows[0] == ["64", "eager", "OOM", "OOM", ""]
-    assert [r[1] for r in rows] == [*hf.MODES, *hf.INDEXER_ROWS]
+    assert [r[1] for r in rows] == [*hf.DEFAULT_MODES, *hf.INDEXER_ROWS]
     sdpa, patched = float(rows[1][2]), float(rows[2][2])
     assert rows[2][4].endswith("x")
     assert float(rows[2][4][:-1]) == pytest.approx(sdpa / patched, abs=0.1)  # ms printed rounded
@@ -156,6 +176,8 @@ def test_hf_breakdown_charges_each_op_to_its_category():
         return event
 
     assert hf.category(stack("mla_inductor::lightning_indexer", "aten::mm")) == "indexer"
+    assert hf.category(stack("mla_inductor::lightning_indexer_scores_bwd")) == "indexer scores"
+    assert hf.category(stack("mla_inductor::indexer_target")) == "indexer target"
     assert hf.category(stack("mla_inductor::sparse_mla_bwd", "aten::mm")) == "attention"
     assert hf.category(stack("autograd::engine::evaluate_function: MmBackward0",
                              "aten::mm")) == "projections"
@@ -196,7 +218,7 @@ def test_hf_tiny_layer_modes_agree(monkeypatch):
                                   torch.float32)
     inputs = hf.make_inputs(attn, rotary, 128)
     found = {}
-    for mode in hf.MODES:
+    for mode in hf.DEFAULT_MODES:
         with hf.layer_mode(attn, mode):
             out = hf.forward(attn, inputs, hf.causal_mask(attn, inputs))
         grad, = torch.autograd.grad(out, inputs.hidden_states, inputs.grad_output)

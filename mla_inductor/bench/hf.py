@@ -10,7 +10,12 @@ gradient, every parameter's gradient) at each T, in three modes:
   and values expanded per head, the indexer's top-k folded into a dense [1, 1, T, T] mask);
 - ``patched``: the same layer after :func:`mla_inductor.integrations.transformers.apply` (the
   absorbed form on ``sparse_mla``, the indexer's top-k from ``lightning_indexer``), given what the
-  patched model passes its layers instead of a mask: each token's position (no ``[T, T]`` tensor).
+  patched model passes its layers instead of a mask: each token's position (no ``[T, T]`` tensor);
+- ``patched+loss`` (only when asked for with ``--modes``): ``patched`` with DeepSeek-V3.2's
+  indexer loss on (``apply(model, indexer_loss=True)``): the step also computes the layer's
+  indexer KL loss and backpropagates it with the output's gradient (``indexer_target``,
+  ``lightning_indexer_scores`` forward and backward, the KL). Its speedup column is its time over
+  ``patched``'s.
 
 Two more rows time the layer's indexer alone (forward, under ``no_grad`` as in the layer; the
 same top-k definition): ``transformers' indexer alone (fwd)``, the module's own forward, which
@@ -54,7 +59,8 @@ TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
             original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
             mscale_all_dim=1.0)
-MODES = ("eager", "sdpa", "patched")
+MODES = ("eager", "sdpa", "patched", "patched+loss")
+DEFAULT_MODES = MODES[:3]
 INDEXER_ROWS = ("transformers' indexer alone (fwd)", "lightning indexer alone (fwd)")
 
 
@@ -107,12 +113,15 @@ def make_inputs(attn, rotary, T: int) -> Inputs:
 def layer_mode(attn, mode: str):
     """Runs the block with ``attn`` in ``mode`` (one of :data:`MODES`): its config's
     ``attn_implementation`` set to ``eager`` or ``sdpa`` (which also picks the mask
-    :func:`causal_mask` builds), or, for ``patched``, ``sdpa`` with the layer switched by
-    :func:`mla_inductor.integrations.transformers.switched`."""
+    :func:`causal_mask` builds), or, for ``patched`` and ``patched+loss``, ``sdpa`` with the layer
+    switched by :func:`mla_inductor.integrations.transformers.switched` (its indexer loss on for
+    ``patched+loss``)."""
     from mla_inductor.integrations import transformers as mla_hf
 
     attn.config._attn_implementation = "eager" if mode == "eager" else "sdpa"
-    with mla_hf.switched(attn) if mode == "patched" else contextlib.nullcontext():
+    patched = mode.startswith("patched")
+    with (mla_hf.switched(attn, indexer_loss=mode == "patched+loss") if patched
+          else contextlib.nullcontext()):
         yield
 
 
@@ -167,8 +176,10 @@ def measure(fn, device: torch.device, warmup: int, iters: int) -> Optional[Measu
 # The breakdown's categories: the first whose prefix names an op on a kernel's launch stack (the
 # op that launched it, then its parents) takes the kernel's time.
 CATEGORIES = (
+    ("indexer scores", ("mla_inductor::lightning_indexer_scores",)),  # the loss's logits
     ("indexer", ("mla_inductor::lightning_indexer",)),
-    ("attention", ("mla_inductor::sparse_mla", "mla_inductor::indexer_target")),
+    ("indexer target", ("mla_inductor::indexer_target",)),  # the loss's target
+    ("attention", ("mla_inductor::sparse_mla",)),
     ("projections", ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")),
 )
 
@@ -221,24 +232,32 @@ def _cells(m: Optional[Measurement]) -> str:
     return f"{m.ms:.1f} | {'-' if m.peak_gib is None else f'{m.peak_gib:.2f}'}"
 
 
-def _speedup(results: dict) -> str:
-    unpatched = [m.ms for mode, m in results.items() if mode != "patched" and m is not None]
-    if results["patched"] is None or len(results) == 1:  # patched alone: nothing to compare
+def _speedup(results: dict, mode: str) -> str:
+    """The table's last column for ``mode``: patched's speedup over the best unpatched mode,
+    patched+loss's time over patched's; empty for the others or with nothing to compare."""
+    if mode == "patched+loss":
+        base, loss = results.get("patched"), results[mode]
+        return f"{loss.ms / base.ms:.2f}x patched's time" if base and loss else ""
+    if mode != "patched" or results["patched"] is None:
         return ""
-    if not unpatched:
+    unpatched = [m for name, m in results.items() if not name.startswith("patched")]
+    if not unpatched:  # patched alone: nothing to compare
+        return ""
+    if all(m is None for m in unpatched):
         return "unpatched OOM"
-    return f"{min(unpatched) / results['patched'].ms:.1f}x"
+    return f"{min(m.ms for m in unpatched if m) / results['patched'].ms:.1f}x"
 
 
 def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
-             show_breakdown: bool = False, modes=MODES) -> None:
+             show_breakdown: bool = False, modes=DEFAULT_MODES) -> None:
     """Prints the table (module docstring) for token counts ``Ts`` and ``index_topk = topk``: real
     sizes in bf16 on CUDA, or with ``tiny`` :data:`TINY` in float32 on the CPU; with
-    ``show_breakdown``, after each T the patched step's :func:`breakdown`; ``modes``: the rows of
+    ``show_breakdown``, after each T the patched steps' :func:`breakdown`; ``modes``: the rows of
     :data:`MODES` to run (the indexer rows always run)."""
     import transformers
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
 
+    from mla_inductor.integrations import transformers as mla_hf
     from mla_inductor.integrations.transformers_indexer import indexer_topk
 
     device = torch.device("cpu" if tiny else "cuda")
@@ -262,30 +281,36 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
     print("|---|---|---|---|---|")
     for T in Ts:
         inputs = make_inputs(attn, rotary, T)
-        results = {}
+        results, parts = {}, {}
         for mode in modes:
             with layer_mode(attn, mode):
-                mask = visibility(inputs) if mode == "patched" else causal_mask(attn, inputs)
+                patched = mode.startswith("patched")
+                mask = visibility(inputs) if patched else causal_mask(attn, inputs)
 
                 def step():
                     for p in (inputs.hidden_states, *params):
                         p.grad = None
-                    forward(attn, inputs, mask).backward(inputs.grad_output)
+                    out = forward(attn, inputs, mask)
+                    if mode == "patched+loss":
+                        loss = mla_hf.indexer_loss(attn)
+                        torch.autograd.backward((out, loss), (inputs.grad_output, None))
+                    else:
+                        out.backward(inputs.grad_output)
 
                 results[mode] = measure(step, device, warmup, iters)
-                if show_breakdown and mode == "patched" and results[mode] is not None:
-                    parts = breakdown(step, device, results[mode].ms)
+                if show_breakdown and patched and results[mode] is not None:
+                    parts[mode] = breakdown(step, device, results[mode].ms)
             for p in (inputs.hidden_states, *params):
                 p.grad = None
             del mask, step
-            speedup = _speedup(results) if mode == "patched" else ""
+            speedup = _speedup(results, mode)
             print(f"| {T} | {mode} | {_cells(results[mode])} | {speedup} |", flush=True)
-        if show_breakdown and results.get("patched") is not None:
-            unit = "kernel" if device.type == "cuda" else "CPU self"
-            print(f"| {T} | patched, {unit} ms: " + ", ".join(
-                f"{name} {ms:.1f}" for name, ms in parts.items()) +
-                f"; busy / wall {parts['busy'] / results['patched'].ms:.2f} | | | |", flush=True)
-        unpatched = any(mode != "patched" for mode in modes)
+        unit = "kernel" if device.type == "cuda" else "CPU self"
+        for mode, part in parts.items():
+            print(f"| {T} | {mode}, {unit} ms: " + ", ".join(
+                f"{name} {ms:.1f}" for name, ms in part.items()) +
+                f"; busy / wall {part['busy'] / results[mode].ms:.2f} | | | |", flush=True)
+        unpatched = any(not mode.startswith("patched") for mode in modes)
         with layer_mode(attn, "sdpa"):
             mask = causal_mask(attn, inputs)[:, 0] if unpatched else None
         with torch.no_grad():
@@ -316,10 +341,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed calls per T and mode, the median reported; default: 5")
     parser.add_argument("--tiny", action="store_true",
                         help="a small config on the CPU in float32: a smoke run in seconds")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                        help="the layer's modes to time; default: eager sdpa patched")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+                        help="the layer's modes to time; default: eager sdpa patched "
+                             "(patched+loss: patched with the indexer loss on)")
     parser.add_argument("--breakdown", action="store_true",
-                        help="after each T, the patched step's time per part (indexer, "
+                        help="after each T, the patched steps' time per part (indexer, "
                              "attention, projections, other) from a profiler trace, and idle")
 
 

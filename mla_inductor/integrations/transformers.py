@@ -349,11 +349,14 @@ def remove(model: nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def switched(model: nn.Module) -> Iterator[int]:
+def switched(model: nn.Module, *, indexer_loss: bool = False) -> Iterator[int]:
     """``with switched(model) as n:`` runs the block with :func:`apply` in effect (``n`` layers
-    switched) and switches exactly those layers back on exit, also on an exception. Raises as
-    :func:`apply`. The layers it switches have no indexer loss (:func:`apply` has the option)."""
+    switched) and switches exactly those layers back on exit, also on an exception; with
+    ``indexer_loss`` those layers record their indexer loss (:func:`apply`'s option) inside the
+    block, dropped on exit. Raises as :func:`apply`."""
     layers = _apply(model)
+    for attn in layers:
+        _loss.enable(attn, indexer_loss)
     _use_visibility(layers)
     try:
         yield len(layers)
