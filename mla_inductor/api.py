@@ -351,8 +351,11 @@ def lightning_indexer(
         and every slot past ``S`` when ``topk > S``); -1 is an empty slot for
         :func:`sparse_mla` and :func:`indexer_target`. Batched indices are local to their batch
         element, in ``[0, S)``. With ``return_scores``, ``(indices, scores)``: ``scores [.., T,
-        topk]`` float32, each slot's score (the definition's float32 value), 0 on -1 slots.
-        Neither carries a gradient.
+        topk]`` float32, each slot's score (the definition's float32 value), 0 on -1 slots,
+        differentiable in q, k and weights (the backward of :func:`lightning_indexer_scores` at
+        these indices: a loss on the selected keys' logits needs no second scoring; while
+        ``scores`` is alive with a graph, q, k, weights and the indices are kept for it). The
+        indices carry no gradient.
 
     Raises:
         RuntimeError (every message starts ``lightning_indexer:``): q, k, weights not tensors,

@@ -15,8 +15,11 @@ batched layout: ``q [B, T, H, D]`` bfloat16 / float16 (float32 on the reference 
 ``scores [B, T, topk]`` float32. Per row: the ``min(topk, keys seen)`` seen keys of largest
 score, exact ties to the smaller key index, a NaN score above +inf (``-0.0`` ties ``+0.0``), in
 ascending key index, then -1 (an empty slot of :func:`mla_inductor.sparse_mla`); ``scores`` holds
-each slot's score, 0 on -1 slots. Not differentiable (integer indices; the scores are a
-by-product, not a gradient path).
+each slot's score, 0 on -1 slots. ``scores`` is differentiable in q, k and weights: its
+backward is ``lightning_indexer_scores_bwd`` at the selected indices (:mod:`.lightning_scores`:
+the same definition at the same slots), so that a training loss on the indexer's logits (the
+KL loss of DeepSeek-V3.2's sparse stage) needs no second scoring of its slots; the indices carry
+no gradient.
 
 Its entry op ``lightning_indexer_entry(q, k, weights, q_positions, causal, topk)`` takes the
 layouts of :func:`mla_inductor.lightning_indexer` (flat ``q [T, H, D]``, ``k [S, D]`` or ``[S, 1,
@@ -36,6 +39,7 @@ import torch
 from torch import Tensor
 
 from . import backends, lowering
+from .lightning_scores import lightning_indexer_scores_bwd
 from .validation import check_lightning_inputs, check_lightning_layout
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
@@ -81,6 +85,26 @@ def _(q, k, weights, q_positions, topk):
     return _outputs(q, topk)
 
 
+def _setup_context(ctx, inputs, output):
+    q, k, weights, _, _ = inputs
+    ctx.save_for_backward(q, k, weights, output[0])
+
+
+def _backward(ctx, dindices, dscores):
+    """The scores' gradients (module docstring); the mode of
+    ``torch.use_deterministic_algorithms`` as the backward is traced picks the deterministic
+    variant, as for :func:`mla_inductor.lightning_scores.lightning_indexer_scores_bwd`."""
+    del dindices  # integer outputs get no gradient
+    q, k, weights, indices = ctx.saved_tensors
+    dq, dk, dweights = lightning_indexer_scores_bwd(
+        dscores.contiguous(), q, k, weights, indices,
+        torch.are_deterministic_algorithms_enabled())
+    return dq, dk, dweights, None, None
+
+
+lightning_indexer.register_autograd(_backward, setup_context=_setup_context)
+
+
 _lib = torch.library.Library("mla_inductor", "FRAGMENT")
 _lib.define(
     "lightning_indexer_entry(Tensor q, Tensor k, Tensor weights, Tensor? q_positions, "
@@ -100,7 +124,6 @@ def _positions(q_positions: Optional[Tensor], B, T, S, like: Tensor) -> Tensor:
 
 def _lightning_indexer_entry(q, k, weights, q_positions, causal, topk):
     check_lightning_layout(q, k, weights, causal, q_positions)
-    q, k, weights = q.detach(), k.detach(), weights.detach()
     batched = q.dim() == 4
     if k.dim() == q.dim():  # [S, 1, D] / [B, S, 1, D]
         k = k.squeeze(-2)
