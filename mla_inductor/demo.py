@@ -165,8 +165,10 @@ class Indexer(nn.Module):
     ``d_index`` (DeepSeek-V3.2-Exp, section 2.1), ``w = weights(x) * (heads * d_index)**-0.5``,
     of the detached input, so the indexer's gradient (from :func:`mla_inductor.indexer_kl_loss`
     on ``logits``) reaches its projections only, as in DSA. The selection is
-    :func:`mla_inductor.lightning_indexer` (causal); the logits of the selected slots are formed
-    again here with autograd (on -1 slots from token 0; the loss does not read them).
+    :func:`mla_inductor.lightning_indexer` (causal), and the logits are its scores of the
+    selected slots (``return_scores``: differentiable, their backward the
+    :func:`mla_inductor.lightning_indexer_scores` backward; 0 on -1 slots, which the loss does
+    not read).
     """
 
     def __init__(self, d_model: int, d_index: int, heads: int, topk: int):
@@ -182,11 +184,8 @@ class Indexer(nn.Module):
         q = self.wq(x).view(B, T, self.heads, self.d_index)
         k = self.wk(x)
         w = self.weights(x).float() * (self.heads * self.d_index) ** -0.5
-        indices = lightning_indexer(q, k.to(q.dtype), w, min(self.topk, T), causal=True)
-        rows = indices.clamp(min=0).long().view(B, -1, 1).expand(-1, -1, self.d_index)
-        picked = k.gather(1, rows).view(B, T, -1, self.d_index).float()
-        dots = torch.einsum("bthd,btjd->bthj", q.float(), picked).relu()
-        return indices, torch.einsum("bth,bthj->btj", w, dots)
+        return lightning_indexer(q, k.to(q.dtype), w, min(self.topk, T), causal=True,
+                                 return_scores=True)
 
 
 class SparseMLA(nn.Module):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 
 import copy
+import importlib
 import math
 
 import pytest
@@ -77,7 +78,8 @@ def _record_calls(model, monkeypatch) -> list[dict]:
     topk = hf.indexer_topk
 
     def recorded(*args, **kwargs):
-        calls[-1]["topk"] = out = topk(*args, **kwargs)
+        out = topk(*args, **kwargs)
+        calls[-1]["topk"] = out[0] if kwargs.get("scores") else out  # (indices, logits)
         return out
 
     monkeypatch.setattr(hf, "indexer_topk", recorded)
@@ -278,20 +280,25 @@ def test_a_cache_with_earlier_tokens_is_refused():
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_the_logits_come_from_the_scores_op_in_any_chunking(name, monkeypatch):
-    """The logits are :func:`mla_inductor.lightning_indexer_scores` of the indexer's queries,
-    keys and head weights (one call per layer with an indexer); its reference in chunks of one
-    token gives the one-chunk loss and indexer gradients within float32 rounding."""
+def test_the_logits_are_the_selections_scores_in_any_chunking(name, monkeypatch):
+    """The logits are the selection's own scores (``lightning_indexer(..., return_scores=True)``
+    on the indexer's queries, keys and head weights): the scores op's forward never runs, and
+    their backward is one ``lightning_indexer_scores_bwd`` per layer with an indexer, at the
+    selected indices; its reference in chunks of one token gives the one-chunk indexer
+    gradients within float32 rounding."""
+    selection_mod = importlib.import_module("mla_inductor.lightning_indexer")  # the ops module
     model = _model(name)
     hf.apply(model, indexer_loss=True)
     ids, mask = _batch()
-    calls, op = [], loss_mod.lightning_indexer_scores
+    forwards, calls, op = [], [], selection_mod.lightning_indexer_scores_bwd
+    monkeypatch.setattr(loss_mod, "lightning_indexer_scores",
+                        lambda *a: forwards.append(a) or pytest.fail("scored twice"))
 
-    def counted(q, k, w, idx):
+    def counted(dscores, q, k, w, idx, deterministic):
         calls.append((tuple(q.shape), tuple(k.shape), tuple(w.shape), tuple(idx.shape)))
-        return op(q, k, w, idx)
+        return op(dscores, q, k, w, idx, deterministic)
 
-    monkeypatch.setattr(loss_mod, "lightning_indexer_scores", counted)
+    monkeypatch.setattr(selection_mod, "lightning_indexer_scores_bwd", counted)
 
     def run():
         model.zero_grad(set_to_none=True)
@@ -304,6 +311,7 @@ def test_the_logits_come_from_the_scores_op_in_any_chunking(name, monkeypatch):
     cfg = model.config
     B, T = ids.shape
     layers = 2 if name == "deepseek_v32" else 1
+    assert forwards == []
     assert calls == [((B, T, cfg.index_n_heads, cfg.index_head_dim), (B, T, cfg.index_head_dim),
                       (B, T, cfg.index_n_heads), (B, T, cfg.index_topk))] * layers
     rows = []
@@ -312,8 +320,8 @@ def test_the_logits_come_from_the_scores_op_in_any_chunking(name, monkeypatch):
                         lambda k, r, *a: rows.append(r.shape[0]) or gather(k, r, *a))
     monkeypatch.setattr(reference_lightning_scores, "_CHUNK_ELEMENTS", 1)
     many, many_grads = run()
-    assert set(rows) == {1} and len(rows) == 2 * B * T * layers  # forward and backward
-    assert abs(many.item() - one.item()) <= 1e-6 * one.item()
+    assert set(rows) == {1} and len(rows) == B * T * layers  # the backward's chunks
+    assert many.item() == one.item()  # the forward does not depend on the backward's chunks
     assert many_grads.keys() == one_grads.keys()
     assert all(rel_l2(many_grads[k], g) <= 1e-5 for k, g in one_grads.items())
 
@@ -322,22 +330,23 @@ def test_the_backward_keeps_no_gathered_keys(monkeypatch):
     """What the loss keeps for the backward (tensors autograd saves while a layer computes it,
     other than those the model saves anyway): 14 bytes per selected slot (int32 indices, float32
     target and log-probabilities, two bool masks), the indexer's queries ``[B, T, n_heads,
-    head_dim]`` (which the scores op keeps), its keys twice, its head weights and O(B·T); not
-    the gathered keys ``[B, T, topk, head_dim]`` (64 bytes per slot here)."""
+    head_dim]`` (which the selection's scores keep), its keys up to three times, its head weights
+    and O(B·T); not the gathered keys ``[B, T, topk, head_dim]`` (64 bytes per slot here)."""
     model = _model("deepseek_v32", index_topk=24)  # topk != head_dim, so their shapes differ
     hf.apply(model, indexer_loss=True)
     ids, mask = _batch()
     B, T, topk = 2, 64, 24
     H, D = model.config.index_n_heads, model.config.index_head_dim
     inside, kept, elsewhere = [False], {}, set()
-    layer_loss = loss_mod.layer_loss
 
-    def flagged(*args, **kwargs):
-        inside[0] = True
-        try:
-            return layer_loss(*args, **kwargs)
-        finally:
-            inside[0] = False
+    def flagged(fn):
+        def run(*args, **kwargs):
+            inside[0] = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inside[0] = False
+        return run
 
     def pack(t):
         storage = t.untyped_storage()
@@ -347,12 +356,16 @@ def test_the_backward_keeps_no_gathered_keys(monkeypatch):
             elsewhere.add(storage.data_ptr())
         return t
 
-    monkeypatch.setattr(loss_mod, "layer_loss", flagged)
+    # the loss's saved tensors: its logits, from the selection with grad, and the rest
+    monkeypatch.setattr(hf, "indexer_topk", flagged(hf.indexer_topk))
+    monkeypatch.setattr(loss_mod, "layer_loss", flagged(loss_mod.layer_loss))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(ids, attention_mask=mask, use_cache=False)  # held: no storage reused
     total = sum(n for ptr, n in kept.items() if ptr not in elsewhere)
     floor = 14 * B * T * topk + 4 * B * T * H * D
-    per_layer = floor + 2 * 4 * B * T * D + 4 * B * T * H + 16 * B * T + 256
+    # keys three times (with the batch's padding the selection keeps its gathered keys and
+    # their int64 order too), head weights, O(B T)
+    per_layer = floor + 3 * 4 * B * T * D + 8 * B * T + 4 * B * T * H + 16 * B * T + 256
     assert 2 * floor < total <= 2 * per_layer, total
     assert total < 2 * 4 * B * T * topk * D  # the gathered keys alone would be more
     hf.indexer_loss(model)

@@ -131,11 +131,15 @@ def _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddin
         latent, k_rope = cache.update(latent, k_rope, attn.layer_idx, kwargs=kwargs)
     kv = torch.cat((latent, k_rope), -1)[:, 0]  # [B, S, rank + rope_dim]
 
+    loss_on, logits = _loss.active(attn), None
     if attn.indexer is not None:
         visibility = (attention_mask if isinstance(attention_mask, Visibility)
                       else attention_mask[:, 0])
+        # with the indexer loss on, the selection's own scores are the loss's logits
         topk = indexer_topk(attn.indexer, index_rope, hidden_states, q_resid, position_embeddings,
-                            visibility, cache)
+                            visibility, cache, scores=loss_on)
+        if loss_on:
+            topk, logits = topk
     elif prev_topk_indices is None:
         raise RuntimeError(
             f"mla_inductor: layer {attn.layer_idx} reuses the previous layer's top-k (a 'shared' "
@@ -148,10 +152,10 @@ def _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddin
     w = attn.kv_b_proj.weight.view(H, nope + v_dim, rank)
     q = torch.cat((torch.einsum("bthn,hnr->bthr", q_nope, w[:, :nope]), q_rope), -1)
     indices = topk  # the keys the mask hides are never named (-1 where a row sees fewer)
-    if _loss.active(attn):
+    if loss_on:
         o_lat, lse = sparse_mla(q, kv, indices, sm_scale=attn.scaling, d_v=rank, return_lse=True)
         _loss.record(attn, index_rope, hidden_states, q_resid, position_embeddings, q, kv,
-                     indices, lse)
+                     indices, lse, logits)
     else:
         o_lat = sparse_mla(q, kv, indices, sm_scale=attn.scaling, d_v=rank)
     out = torch.einsum("bthr,hvr->bthv", o_lat, w[:, nope:]).reshape(B, T, H * v_dim)

@@ -117,14 +117,13 @@ def _gather_seen(k: Tensor, keys: Tensor, positions: Tensor) -> tuple[Tensor, Te
     return k.gather(1, order[..., None].expand(B, S, D)), torch.where(pos < 0, 0, count) - 1, order
 
 
-@torch.no_grad()
 def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tensor,
                  position_embeddings: tuple[Tensor, Tensor], visibility: Visibility | Tensor,
-                 cache=None) -> Tensor:
+                 cache=None, *, scores: bool = False):
     """The top-k keys of each query token, as ``indexer(hidden_states, q_resid,
     position_embeddings, attention_mask, position_ids, cache=cache)`` selects them, on
     :func:`mla_inductor.lightning_indexer` (module docstring: the same definition, float32, not
-    bitwise; -1 instead of hidden keys).
+    bitwise; -1 instead of hidden keys). Runs without grad, unless ``scores``.
 
     Args:
         indexer: the layer's ``DeepseekV32Indexer`` or ``GlmMoeDsaIndexer``; its ``wq_b``, ``wk``,
@@ -140,28 +139,49 @@ def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_re
             S]``, bool (True = seen) or additive float (the dtype's minimum or -inf = hidden),
             the model's 4D mask without its head axis.
         cache: the model's cache or None; with one, this call's indexer keys are appended
-            through ``cache.update_indexer`` (exactly once, as the model's indexer does) and the
-            scores cover every cached key.
+            through ``cache.update_indexer`` (exactly once, as the model's indexer does; without
+            grad) and the scores cover every cached key.
+        scores: also return the selected slots' scores (the indexer's logits of DeepSeek-V3.2's
+            indexer loss), computed with grad where grad is enabled, on ``hidden_states`` and
+            ``q_resid`` detached: differentiable in the indexer's parameters only.
 
     Returns:
         ``[B, T, min(index_topk, S)]`` int32: per row the selected keys (in ``[0, S)``) in
-        ascending key index, then -1 where the row sees fewer keys.
+        ascending key index, then -1 where the row sees fewer keys. With ``scores``, ``(indices,
+        scores)``: ``scores [B, T, min(index_topk, S)]`` float32, each slot's score (0 on -1
+        slots), or None where they are not formed: a dense mask (the reference's selection), or
+        a cache that held keys before this call.
     """
-    q = index_queries(indexer, rope, q_resid, position_embeddings)
-    k = index_keys(indexer, rope, hidden_states, position_embeddings)
-    if cache is not None:
-        k = cache.update_indexer(k, indexer.layer_idx)  # [B, S, D]
-    w = head_weights(indexer, hidden_states)
-    topk = min(indexer.index_topk, k.shape[1])
+    with torch.set_grad_enabled(scores and torch.is_grad_enabled()):
+        hidden_states, q_resid = hidden_states.detach(), q_resid.detach()
+        q = index_queries(indexer, rope, q_resid, position_embeddings)
+        k = index_keys(indexer, rope, hidden_states, position_embeddings)
+        own_keys = True  # the keys are this call's tokens alone
+        if cache is not None:
+            k_all = cache.update_indexer(k.detach(), indexer.layer_idx)  # [B, S, D]
+            own_keys = k_all.shape[1] == k.shape[1]
+            k = k if own_keys else k_all
+        w = head_weights(indexer, hidden_states)
+        picked, values = _select(q, k, w, min(indexer.index_topk, k.shape[1]), visibility)
+    if not scores:
+        return picked
+    return picked, values if own_keys else None
+
+
+def _select(q: Tensor, k: Tensor, w: Tensor, topk: int, visibility: Visibility | Tensor):
+    """``(indices, scores or None)`` of :func:`indexer_topk` for the indexer's queries, keys and
+    head weights."""
     if not isinstance(visibility, Visibility):
         seen = visibility if visibility.dtype == torch.bool else (
             visibility > torch.finfo(visibility.dtype).min)
-        return lightning_indexer_seen(q, k, w, seen, topk)[0]
+        return lightning_indexer_seen(q.detach(), k.detach(), w.detach(), seen, topk)[0], None
     if visibility.keys is None:
-        return lightning_indexer(q, k, w, topk, causal=True, q_positions=visibility.positions)
+        return lightning_indexer(q, k, w, topk, causal=True, q_positions=visibility.positions,
+                                 return_scores=True)
     gathered, positions, order = _gather_seen(k, visibility.keys.to(torch.bool),
                                               visibility.positions)
-    picked = lightning_indexer(q, gathered, w, topk, causal=True, q_positions=positions)
+    picked, values = lightning_indexer(q, gathered, w, topk, causal=True, q_positions=positions,
+                                       return_scores=True)
     B, T, _ = picked.shape
     back = order.gather(1, picked.clamp(min=0).view(B, T * topk).long()).view(B, T, topk)
-    return torch.where(picked >= 0, back, -1).to(torch.int32)
+    return torch.where(picked >= 0, back, -1).to(torch.int32), values

@@ -16,28 +16,35 @@ forward:
 - ``logits[t, j] = sum_h w[t, h] · relu(softmax_scale · q_I[t, h] · k_I[indices[t, j]])``,
   ``w = weights_proj(x) · n_heads**-0.5``, from the indexer's own ``wq_b``, ``wk``, ``k_norm``,
   ``weights_proj`` and RoPE (:mod:`.transformers_indexer`'s definitions), with autograd, on
-  ``hidden_states.detach()`` and ``q_resid.detach()``: the op
-  :func:`mla_inductor.lightning_indexer_scores` of the indexer's queries, keys and head weights
-  (``softmax_scale`` folded into the weights), float32 products, as the model's indexer scores;
+  ``hidden_states.detach()`` and ``q_resid.detach()``: the selection's own scores
+  (:func:`.transformers_indexer.indexer_topk` with ``scores=True``, i.e.
+  :func:`mla_inductor.lightning_indexer` with ``return_scores``, ``softmax_scale`` folded into
+  the weights), whose backward is the :func:`mla_inductor.lightning_indexer_scores` backward at
+  the selected indices. Where the selection forms no scores (a dense mask: packed sequences, or
+  another attention implementation) they come from :func:`indexer_logits`, the scores op on
+  the same definitions;
 - ``loss = indexer_kl_loss(logits, target, indices, kv_len=S)``
   (:func:`mla_inductor.indexer_kl_loss`): the KL over each token's valid slots, averaged over the
   tokens that have one; empty slots get zero gradient.
 
-Memory: the scores op gathers the selected keys inside its backend (the reference in bounded
-chunks of tokens, a kernel in registers) and keeps for its backward only its inputs; no
-``[B, T, topk, head_dim]`` gather and no ``[B, T, n_heads, topk]`` scores are kept (nor formed
-for the whole problem). What each layer keeps for the backward
+Composition (measured in one DeepSeek-V3.2 layer, ``bench hf --modes patched patched+loss``, H200,
+2026-12-02; docs/performance.md has the table): the indexer's projections and its scores are
+computed once, by the selection, with grad; the loss adds the target (one
+:func:`~mla_inductor.indexer_target`), the KL, and the scores' backward (the gradients of
+queries, keys and weights from one recomputation of the slots' products). Recomputing the
+logits in the backward under a checkpoint instead (non-reentrant) was slower (1.22x against
+1.19x the layer without the loss at T 32768, when the logits were still scored a second time)
+and saved no peak memory: the layer's peak is the attention's backward.
+
+Memory: no ``[B, T, topk, head_dim]`` gather and no ``[B, T, n_heads, topk]`` scores are kept
+(nor formed for the whole problem). What each layer keeps for the backward
 (``tests/test_transformers_indexer_loss.py`` counts it): 14 bytes per selected slot (the int32
 indices, the float32 target and log-probabilities, two bool masks of the valid slots), 448 MiB at
 B 1, T 16384, topk 2048, plus the indexer's queries ``[B, T, n_heads, head_dim]`` in the layer's
-dtype (256 MiB there with 64 heads of 128 in bfloat16), its keys twice (``[B, T, head_dim]``),
-its float32 head weights and O(B·T); the layer's ``hidden_states`` and ``q_resid``, which the
-model keeps for its own backward anyway, are read too. Keeping the queries, rather than
-recomputing them (and the scores) in the backward under a checkpoint, costs less memory than the
-KL's own 14 bytes per slot and saves the query projection and the scores' forward a second time.
-Time: the indexer's projections and the op's forward once, the op's backward (the gradients of
-queries, keys and weights from one recomputation of the slots' products), and one
-:func:`~mla_inductor.indexer_target` per layer.
+dtype (256 MiB there with 64 heads of 128 in bfloat16), its keys up to three times (``[B, T,
+head_dim]``; with a padding mask the selection's gathered keys too), its float32 head weights and
+O(B·T); the layer's ``hidden_states`` and ``q_resid``, which the model keeps for its own backward
+anyway, are read too.
 
 Transformers' gradient checkpointing (``model.activation_checkpointing_enable()``, non-reentrant
 by default) works: the recomputation inside the backward computes the loss again (its backward
@@ -85,14 +92,15 @@ def active(attn: nn.Module) -> bool:
 
 def record(attn: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tensor,
            position_embeddings: tuple[Tensor, Tensor], q: Tensor, kv: Tensor, indices: Tensor,
-           lse: Tensor) -> None:
+           lse: Tensor, logits: Tensor | None = None) -> None:
     """Computes this forward's indexer loss of ``attn`` (:func:`layer_loss`) and appends it to the
     layer's recorded losses, unless this forward runs inside a backward pass: that is a
     checkpoint's recomputation (transformers' gradient checkpointing, non-reentrant), whose loss
     was recorded by the original forward and whose backward needs this computation's saved
     tensors, so it is computed and not recorded again. Compiled code never runs there
     (``torch.utils.checkpoint`` recomputes with dynamo disabled), so it needs no check."""
-    loss = layer_loss(attn, rope, hidden_states, q_resid, position_embeddings, q, kv, indices, lse)
+    loss = layer_loss(attn, rope, hidden_states, q_resid, position_embeddings, q, kv, indices, lse,
+                      logits)
     if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
         getattr(attn, _LOSSES).append(loss)
 
@@ -121,7 +129,7 @@ def take(layers: list[nn.Module]) -> Tensor:
 
 def layer_loss(attn: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tensor,
                position_embeddings: tuple[Tensor, Tensor], q: Tensor, kv: Tensor,
-               indices: Tensor, lse: Tensor) -> Tensor:
+               indices: Tensor, lse: Tensor, logits: Tensor | None = None) -> Tensor:
     """One layer's indexer loss for one forward (module docstring), a 0-d float32 tensor whose
     gradient reaches the indexer's parameters only.
 
@@ -137,6 +145,9 @@ def layer_loss(attn: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: 
             qk_rope_head_dim]``, ``kv [B, S, kv_lora_rank + qk_rope_head_dim]``, ``indices [B,
             T, topk]`` int32 (-1 where the model's mask hides the key), and the ``lse [B, T, H]``
             float32 it returned (all read detached by the target).
+        logits: ``[B, T, topk]`` float32, the indexer's logits of ``indices`` with their graph
+            (the selection's own scores, :func:`.transformers_indexer.indexer_topk` with
+            ``scores=True``), or None: then they are computed here (:func:`indexer_logits`).
 
     Raises:
         RuntimeError: ``S != T``: a cache that held earlier tokens (or a static cache's unfilled
@@ -152,8 +163,9 @@ def layer_loss(attn: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: 
             "cache); pass use_cache=False, or run it in eval mode or under torch.no_grad()"
         )
     target = indexer_target(q, kv, indices, lse, sm_scale=attn.scaling)
-    logits = indexer_logits(attn.indexer, rope, hidden_states.detach(), q_resid.detach(),
-                            position_embeddings, indices)
+    if logits is None:
+        logits = indexer_logits(attn.indexer, rope, hidden_states.detach(), q_resid.detach(),
+                                position_embeddings, indices)
     return indexer_kl_loss(logits, target, indices, kv_len=S)
 
 
