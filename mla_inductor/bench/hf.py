@@ -4,7 +4,7 @@ transformers' ``DeepseekV32Attention`` (``models/deepseek_v32``, with its DSA in
 DeepSeek-V3.2's sizes (hidden 7168, 128 heads, q_lora 1536, kv_lora 512, rope 64, nope 128,
 v 128, index_topk 2048 over 64 index heads of 128, YaRN factor 40 as in the released config),
 random init, bf16, batch 1, forward + backward (hidden states requiring grad, a random output
-gradient, every parameter's gradient) at each T, in three modes:
+gradient, every parameter's gradient) at each T, in these modes:
 
 - ``eager``, ``sdpa``: the layer as transformers runs it with that ``attn_implementation`` (keys
   and values expanded per head, the indexer's top-k folded into a dense [1, 1, T, T] mask);
@@ -13,9 +13,9 @@ gradient, every parameter's gradient) at each T, in three modes:
   patched model passes its layers instead of a mask: each token's position (no ``[T, T]`` tensor);
 - ``patched+loss`` (only when asked for with ``--modes``): ``patched`` with DeepSeek-V3.2's
   indexer loss on (``apply(model, indexer_loss=True)``): the step also computes the layer's
-  indexer KL loss and backpropagates it with the output's gradient (``indexer_target``,
-  ``lightning_indexer_scores`` forward and backward, the KL). Its speedup column is its time over
-  ``patched``'s.
+  indexer KL loss and backpropagates it with the output's gradient (the target,
+  ``indexer_target``; the KL; the backward of the selection's own scores, which are the
+  logits). Its speedup column is its time over ``patched``'s.
 
 Two more rows time the layer's indexer alone (forward, under ``no_grad`` as in the layer; the
 same top-k definition): ``transformers' indexer alone (fwd)``, the module's own forward, which
