@@ -288,3 +288,26 @@ def test_half_precision_layer_on_cuda(name, dtype):
     bound = torch.einsum("bth,bths->bts", w.abs(), dots.abs()).amax(-1)
     for got in (ours, on_positions):
         assert _problems(got.cpu(), score.cpu(), mask.cpu(), bound.cpu(), topk=16) == []
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_head_weights_keep_no_upcast_copy_for_the_backward(name):
+    """With the layer in bfloat16 and ``weights_proj`` in float32 (as the models keep it), the
+    head weights and their gradient are the plain module's (bitwise the same forward), and the
+    float32 copy of the hidden states is not among the tensors saved for the backward."""
+    indexer, _, _ = _indexer(name)
+    indexer = indexer.to(torch.bfloat16)
+    indexer.weights_proj.float()
+    x = torch.randn(2, 5, indexer.hidden_size, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        got = ti.head_weights(indexer, x)
+    (dw,) = torch.autograd.grad(got.square().sum(), [indexer.weights_proj.weight])
+    plain = copy.deepcopy(indexer)
+    want = plain.weights_proj(x.float()).float() * indexer.n_heads**-0.5 * indexer.softmax_scale
+    (dw_want,) = torch.autograd.grad(want.square().sum(), [plain.weights_proj.weight])
+    assert torch.equal(got, want)
+    torch.testing.assert_close(dw, dw_want, rtol=1e-6, atol=1e-7)
+    assert not any(t.dtype == torch.float32 and t.shape == x.shape for t in saved)
+    assert any(t is x for t in saved)

@@ -96,10 +96,41 @@ def index_keys(indexer: nn.Module, rope: Callable, hidden_states: Tensor,
 
 def head_weights(indexer: nn.Module, hidden_states: Tensor) -> Tensor:
     """``[B, T, n_heads]`` float32: the model's head weights ``weights_proj(x) · n_heads**-0.5``
-    with ``softmax_scale`` folded in (module docstring). Differentiable where grad is enabled."""
+    with ``softmax_scale`` folded in (module docstring). Differentiable where grad is enabled;
+    the models keep ``weights_proj`` in float32 (``_keep_in_fp32_modules``), and its input's
+    float32 copy (``[B, T, hidden_size]``, 1.75 GiB at T 65536) is not kept for the backward,
+    which casts ``hidden_states`` again (:class:`_UpcastLinear`; the same values)."""
     proj = indexer.weights_proj
     scale = indexer.n_heads**-0.5 * indexer.softmax_scale
-    return proj(hidden_states.to(proj.weight.dtype)).float() * scale
+    if (hidden_states.dtype != proj.weight.dtype and torch.is_grad_enabled()
+            and proj.weight.requires_grad):
+        out = _UpcastLinear.apply(hidden_states, proj.weight, proj.bias)
+    else:
+        out = proj(hidden_states.to(proj.weight.dtype))
+    return out.float() * scale
+
+
+class _UpcastLinear(torch.autograd.Function):
+    """``F.linear(x.to(weight.dtype), weight, bias)``, keeping ``x`` (which its caller keeps
+    anyway) rather than its upcast copy for the backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(x.to(weight.dtype), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = (grad @ weight).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return dx, dw, db
 
 
 def _gather_seen(k: Tensor, keys: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
