@@ -45,7 +45,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from ..api import lightning_indexer
+from ..api import lightning_indexer, lightning_indexer_scores
 from ..kernels.reference_lightning import lightning_indexer_seen
 
 
@@ -180,8 +180,7 @@ def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_re
         ``[B, T, min(index_topk, S)]`` int32: per row the selected keys (in ``[0, S)``) in
         ascending key index, then -1 where the row sees fewer keys. With ``scores``, ``(indices,
         scores)``: ``scores [B, T, min(index_topk, S)]`` float32, each slot's score (0 on -1
-        slots), or None where they are not formed: a dense mask (the reference's selection), or
-        a cache that held keys before this call.
+        slots), or None with a cache that held keys before this call.
     """
     with torch.set_grad_enabled(scores and torch.is_grad_enabled()):
         hidden_states, q_resid = hidden_states.detach(), q_resid.detach()
@@ -193,19 +192,23 @@ def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_re
             own_keys = k_all.shape[1] == k.shape[1]
             k = k if own_keys else k_all
         w = head_weights(indexer, hidden_states)
-        picked, values = _select(q, k, w, min(indexer.index_topk, k.shape[1]), visibility)
+        picked, values = _select(q, k, w, min(indexer.index_topk, k.shape[1]), visibility,
+                                 scores)
     if not scores:
         return picked
     return picked, values if own_keys else None
 
 
-def _select(q: Tensor, k: Tensor, w: Tensor, topk: int, visibility: Visibility | Tensor):
-    """``(indices, scores or None)`` of :func:`indexer_topk` for the indexer's queries, keys and
-    head weights."""
+def _select(q: Tensor, k: Tensor, w: Tensor, topk: int, visibility: Visibility | Tensor,
+            scores: bool):
+    """``(indices, scores)`` of :func:`indexer_topk` for the indexer's queries, keys and head
+    weights (under a dense mask, the scores only when asked: the reference's selection forms
+    none, so :func:`mla_inductor.lightning_indexer_scores` scores the selected slots)."""
     if not isinstance(visibility, Visibility):
         seen = visibility if visibility.dtype == torch.bool else (
             visibility > torch.finfo(visibility.dtype).min)
-        return lightning_indexer_seen(q.detach(), k.detach(), w.detach(), seen, topk)[0], None
+        picked = lightning_indexer_seen(q.detach(), k.detach(), w.detach(), seen, topk)[0]
+        return picked, lightning_indexer_scores(q, k, w, picked) if scores else None
     if visibility.keys is None:
         return lightning_indexer(q, k, w, topk, causal=True, q_positions=visibility.positions,
                                  return_scores=True)

@@ -20,9 +20,9 @@ forward:
   (:func:`.transformers_indexer.indexer_topk` with ``scores=True``, i.e.
   :func:`mla_inductor.lightning_indexer` with ``return_scores``, ``softmax_scale`` folded into
   the weights), whose backward is the :func:`mla_inductor.lightning_indexer_scores` backward at
-  the selected indices. Where the selection forms no scores (a dense mask: packed sequences, or
-  another attention implementation) they come from :func:`indexer_logits`, the scores op on
-  the same definitions;
+  the selected indices (under a dense mask, packed sequences or another attention
+  implementation, the scores op on the same projections, as the reference's selection forms no
+  scores);
 - ``loss = indexer_kl_loss(logits, target, indices, kv_len=S)``
   (:func:`mla_inductor.indexer_kl_loss`): the KL over each token's valid slots, averaged over the
   tokens that have one; empty slots get zero gradient.
