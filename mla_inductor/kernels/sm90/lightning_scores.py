@@ -32,9 +32,11 @@ Design
   (backward) 16 KiB stages, filled with 16-byte ``cp.async.cg`` (16 threads per 256-byte key
   row, 64-bit source addresses ``(b S + index) D``), one commit group per block; block ``i +
   stages - 1`` is issued while block ``i`` is computed. The indices a thread gathers are loaded
-  into registers one block before their gather, and the indices of the accumulator's key rows
-  (the backward: and their ``dscores``) are loaded before the logits' wait, so that no load's
-  latency is exposed at the top of a block. Every thread loads and computes (no warp
+  into registers one block before their gather, so that no load's latency is exposed at the
+  top of a block; the forward also loads the indices of the accumulator's key rows before the
+  logits' wait (the backward loads them after it, with their ``dscores`` read whatever the index
+  so that the two loads do not wait on each other: loaded before the wait, they made ptxas
+  serialise the backward's wgmmas at its 254 registers). Every thread loads and computes (no warp
   specialisation): three CTAs per SM (forward) or two (backward, bounded by its registers)
   overlap one another's gathers and MMAs. (H200, T 16384, 64 heads, topk 2048, 2026-12-02: the
   early index loads took the forward from 2.51 to 2.06 ms and the backward from 6.96 to 6.57
