@@ -93,7 +93,9 @@ def token_positions(T, S, like: Tensor, q_positions: Optional[Tensor] = None) ->
 def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor],
             causal: bool = False, q_positions: Optional[Tensor] = None) -> Flat:
     """The canonical inputs of a call in any accepted layout (module docstring). int64 indices
-    become int32 after their invalid slots are mapped to -1; an int64 ``topk_length`` is clamped
+    become int32 after their invalid slots are mapped to -1, and so do batched indices before
+    their offsets; int32 indices of one batch element (or unbatched) pass unchanged, as every
+    backend reads an index < 0 or >= S as an empty slot; an int64 ``topk_length`` is clamped
     to ``[0, topk]`` and cast to int32; with ``causal``, the positions (``q_positions`` or the
     bottom-right default) become int32 global positions.
 
@@ -121,9 +123,12 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
         B, T, S = q.shape[0], q.shape[1], kv.shape[1]
         if causal:  # S of a [B, S, 1, d_qk] kv is known after the squeeze and the checks
             positions = token_positions(T, S, q, q_positions)
-        offsets = (_arange(B, indices, indices.dtype) * S).view(B, 1, 1)
-        indices = _mask_invalid(indices, S)
-        indices = torch.where(indices >= 0, indices + offsets, -1).to(torch.int32)
+        if B != 1:
+            offsets = (_arange(B, indices, indices.dtype) * S).view(B, 1, 1)
+            valid = (indices >= 0) & (indices < S)
+            indices = torch.where(valid, indices + offsets, -1).to(torch.int32)
+        elif indices.dtype != torch.int32:  # one element: its invalid slots stay invalid
+            indices = _mask_invalid(indices, S).to(torch.int32)
         q = q.reshape(B * T, q.shape[2], q.shape[3])
         kv = kv.reshape(B * S, kv.shape[2])
         indices = indices.reshape(B * T, indices.shape[-1])
