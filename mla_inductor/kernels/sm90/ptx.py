@@ -144,3 +144,30 @@ def relu_nan(x: Float32, *, loc=None, ip=None) -> Float32:
     """``max(x, 0)`` that keeps a NaN (``max.NaN.f32``)."""
     return Float32(_asm("max.NaN.f32 $0, $1, 0f00000000;", "=f,f", (Float32(x),), T.f32(),
                         loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_global_nc_b32(addr: Int64, *, loc=None, ip=None) -> Int32:
+    """``ld.global.nc.b32``: one word from global memory through the non-coherent (read-only)
+    path."""
+    return Int32(_asm("ld.global.nc.b32 $0, [$1];", "=r,l", (Int64(addr),), T.i32(), loc=loc,
+                      ip=ip))
+
+
+@dsl_user_op
+def ld_global_nc_f32(addr: Int64, *, loc=None, ip=None) -> Float32:
+    """``ld.global.nc.f32``: one float32 from global memory through the non-coherent path."""
+    return Float32(_asm("ld.global.nc.f32 $0, [$1];", "=f,l", (Int64(addr),), T.f32(), loc=loc,
+                        ip=ip))
+
+
+@dsl_user_op
+def st_global_b32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
+    """``st.global.b32``."""
+    _asm("st.global.b32 [$0], $1;", "l,r", (Int64(addr), Int32(v)), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_global_f32(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
+    """``st.global.f32``."""
+    _asm("st.global.f32 [$0], $1;", "l,f", (Int64(addr), Float32(v)), loc=loc, ip=ip)

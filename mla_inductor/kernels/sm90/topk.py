@@ -78,7 +78,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .ptx import _asm
+from .ptx import _asm, ld_global_nc_b32, st_global_b32
 
 BINS = 2048  # histogram bins (the widest digit, 11 bits)
 DIGITS = ((21, 0x7FF), (10, 0x7FF), (0, 0x3FF))  # (shift, mask) of the three digits
@@ -118,25 +118,10 @@ def ld_shared_v4(addr: Int32, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ld_global_b32(addr: Int64, *, loc=None, ip=None) -> Int32:
-    """``ld.global.nc.b32``."""
-    return Int32(llvm.inline_asm(T.i32(), [Int64(addr).ir_value(loc=loc, ip=ip)],
-                                 "ld.global.nc.b32 $0, [$1];", "=r,l", has_side_effects=True,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                                 loc=loc, ip=ip))
-
-
-@dsl_user_op
 def st_shared_v4(addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None):
     """``st.shared.v4.b32`` to a 16-byte aligned shared address."""
     _stmt("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}",
           [Int32(addr), Int32(a), Int32(b), Int32(c), Int32(d)], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def st_global_b32(addr: Int64, v: Int32, *, loc=None, ip=None):
-    """``st.global.b32``."""
-    _stmt("st.global.b32 [$0], $1;", "l,r", [Int64(addr), Int32(v)], loc=loc, ip=ip)
 
 
 @dsl_user_op
@@ -250,7 +235,7 @@ class TopkSelectSm90:
                 for u in cutlass.range_constexpr(BATCH):
                     j = base + u * nt + tidx
                     j = cutlass.max(cutlass.min(j, n - 1), Int32(0))
-                    vals.append(ld_global_b32(row + Int64(j) * 4))
+                    vals.append(ld_global_nc_b32(row + Int64(j) * 4))
                 for u in cutlass.range_constexpr(BATCH):
                     j = base + u * nt + tidx
                     if j < topk:
@@ -542,7 +527,7 @@ class TopkSelectSm90:
         if const_expr(from_smem):
             bits = cutlass.select_(key < 0, key ^ Int32(0x7FFFFFFF), key)
             if (key == 0) | (key == Int32(0x7FFFFFFF)):
-                bits = ld_global_b32(row + Int64(index) * 4)
+                bits = ld_global_nc_b32(row + Int64(index) * 4)
         return bits
 
 
