@@ -15,8 +15,8 @@ from torch import Tensor
 from . import custom_ops, indexer  # noqa: F401  (register torch.ops.mla_inductor.*)
 from . import lightning_indexer as _lightning_ops  # noqa: F401  (registers its ops)
 from . import layout
-from .kernels.reference import valid_slots
 from . import lightning_scores  # noqa: F401  (registers torch.ops.mla_inductor.lightning_*)
+from . import indexer_kl as _kl_ops  # noqa: F401  (registers torch.ops.mla_inductor.indexer_kl*)
 
 
 def _require(cond: bool, message, op: str = "sparse_mla") -> None:
@@ -258,7 +258,10 @@ def indexer_kl_loss(
     :func:`sparse_mla` from ``indices``, ``kv_len``, ``topk_length``, ``causal`` and
     ``q_positions`` (pass the values of the :func:`indexer_target` call), not from the target,
     whose valid slots can be 0. Empty slots and rows without a valid slot contribute nothing and
-    get a zero gradient, whatever their logits (NaN and inf included).
+    get a zero gradient, whatever their logits (NaN and inf included). Computed by the op
+    ``indexer_kl`` (:mod:`mla_inductor.indexer_kl`: one pass over the slots per direction on
+    SM90, the per-row sums in a fixed order, so the loss and its gradient are bitwise the same in
+    every run on every backend).
 
     Args:
         indexer_logits: ``[.., T, topk]`` the indexer's scores of the selected slots, any float
@@ -295,18 +298,25 @@ def indexer_kl_loss(
     _require(causal or q_positions is None,
              "q_positions is only read with causal=True; pass causal=True or drop q_positions")
     _check_kl_lengths(indices, topk_length, q_positions)
-    positions = None
+    lead, K = indices.shape[:-1], indices.shape[-1]
+    rows = lead.numel()
+    # each row's valid slots as the op takes them: 0 <= index <= hi[r] and slot < length[r]
     if causal:
         positions = layout.token_positions(indices.shape[-2], kv_len, indices, q_positions)
-    valid = valid_slots(indices, topk_length, kv_len, positions)
-    has_valid = valid.any(-1, keepdim=True)
-    logits = indexer_logits.float().masked_fill(~valid, -math.inf)
-    log_p = torch.where(has_valid, logits, 0.0).log_softmax(-1)
-    t = target.detach().float()
-    # A slot the target gives 0 adds 0 (0 * log 0 = 0 and 0 * log q = 0, also for q = 0 from a
-    # logit of -inf, where t * log_p would be NaN): it is left out with the empty slots.
-    kl = torch.where(valid & (t != 0), torch.xlogy(t, t) - t * log_p, 0.0)
-    return kl.sum() / has_valid.sum().clamp_min(1)
+        hi = positions.clamp_max(kv_len - 1).expand(lead)
+    else:
+        hi = indices.new_full(lead, kv_len - 1, dtype=torch.int64)
+    if topk_length is None:
+        length = indices.new_full(lead, K, dtype=torch.int32)
+    else:
+        length = topk_length.to(torch.int64).clamp(0, K).expand(lead)
+    if indices.dtype != torch.int32:  # an index >= 2**31 must not wrap into a valid one
+        indices = torch.where((indices >= 0) & (indices < kv_len), indices, -1).to(torch.int32)
+    kl, _, _, count = torch.ops.mla_inductor.indexer_kl(
+        indexer_logits.float().reshape(rows, K), target.detach().float().reshape(rows, K),
+        indices.reshape(rows, K), hi.reshape(rows).to(torch.int32),
+        length.reshape(rows).to(torch.int32))
+    return kl.sum() / (count > 0).sum().clamp_min(1)
 
 
 def lightning_indexer(

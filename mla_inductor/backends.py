@@ -33,6 +33,8 @@ _override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "mla_inductor_backend", default=None
 )
 _warned: set[tuple[str, str]] = set()  # (direction, reason) pairs already warned about
+# The directions whose kernels take float32 tensors (the indexer loss's KL of float32 logits).
+FLOAT32_DIRECTIONS = frozenset(("indexer_kl", "indexer_kl_bwd"))
 
 
 def _check_name(name: str) -> str:
@@ -117,7 +119,7 @@ def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims,
           deterministic=None) -> ModuleType:
     if device.type != "cuda":
         return module("reference")
-    if dtype == torch.float32:
+    if dtype == torch.float32 and direction not in FLOAT32_DIRECTIONS:
         return _fall_back(direction, "float32 input; the GPU kernels take bfloat16 or float16")
     major, minor = torch.cuda.get_device_capability(device)
     arch = "sm90" if (major, minor) == (9, 0) else "sm100" if major == 10 else None
@@ -184,7 +186,8 @@ def select(device: torch.device, dtype: torch.dtype, direction: str, dims=None, 
     ok, reason = chosen.available()
     if ok and name in ("sm90", "sm100") and device.type != "cuda":
         ok, reason = False, f"the tensors are on {device.type}, not on a CUDA device"
-    if ok and name in ("sm90", "sm100") and dtype == torch.float32:
+    if (ok and name in ("sm90", "sm100") and dtype == torch.float32
+            and direction not in FLOAT32_DIRECTIONS):
         ok, reason = False, "float32 runs on the reference backend only; use bfloat16 or float16"
     if ok and hasattr(chosen, direction):
         ok, reason = _supports(chosen, dtype, direction, dims)

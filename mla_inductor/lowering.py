@@ -70,6 +70,8 @@ def install() -> bool:
         torch.ops.mla_inductor.lightning_indexer.default,
         torch.ops.mla_inductor.lightning_indexer_scores.default,
         torch.ops.mla_inductor.lightning_indexer_scores_bwd.default,
+        torch.ops.mla_inductor.indexer_kl.default,
+        torch.ops.mla_inductor.indexer_kl_bwd.default,
     ):
         if op not in lowerings:
             make_fallback(op, layout_constraint=require_contiguous, warn=False)

@@ -6,7 +6,8 @@
 the CuTe DSL only to compile a kernel that is not cached. The lightning indexer's scores and
 top-k select are composed in :mod:`.lightning_indexer_host`. Its scores at the selected slots
 (the op ``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_scores`,
-launched by :mod:`.lightning_scores_host`."""
+launched by :mod:`.lightning_scores_host`; the indexer loss's per-row KL and its gradient in
+:mod:`.kl`, launched by :mod:`.kl_host`."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
                backward_heads=(128,), backward_o_lo=(True,), indexer_heads=(128,),
                indexer_positions=(False, True), lightning_heads=(),
                lightning_causal=(False, True), lightning_scores=False,
-               lightning_scores_deterministic=(False, True)) -> dict:
+               lightning_scores_deterministic=(False, True), indexer_kl=False) -> dict:
     """Compiles the kernels for ``arch`` without a GPU; returns ``{compile_key: fn}``.
 
     Forward: every combination of ``dtypes`` x ``thresholds`` x ``o_lo`` x ``topk_length``.
@@ -109,7 +110,8 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     Lightning-indexer scores (head tile 16, 32 or 64 static): ``dtypes`` x the tiles of
     ``lightning_heads`` x ``lightning_causal``; skipped unless ``lightning_heads`` is given.
     Lightning-indexer scores at the selected slots (``lightning_scores=True``): the forward per
-    dtype and the backward for ``dtypes`` x ``lightning_scores_deterministic``.
+    dtype and the backward for ``dtypes`` x ``lightning_scores_deterministic``. The indexer
+    loss's KL (``indexer_kl=True``): its forward and backward (float32, no other key).
     Everything is cached, so later calls on a GPU do not compile again.
 
     Raises:
@@ -117,7 +119,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     """
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
-    from . import bwd_host, fwd_host, indexer_host, lightning_host, lightning_scores_host
+    from . import bwd_host, fwd_host, indexer_host, kl_host, lightning_host, lightning_scores_host
 
     compiled = {}
     for dtype in dtypes:
@@ -141,6 +143,8 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     if lightning_scores:
         compiled.update(lightning_scores_host.precompile_scores(
             arch, dtypes=dtypes, deterministic=lightning_scores_deterministic))
+    if indexer_kl:
+        compiled.update(kl_host.precompile_kl(arch))
     return compiled
 
 
@@ -184,3 +188,17 @@ def lightning_indexer_scores_bwd(dscores, q, k, weights, indices, deterministic=
 
     return lightning_scores_host.backward(dscores, q, k, weights, indices,
                                           deterministic=deterministic)
+
+
+def indexer_kl(logits, target, indices, hi, length):
+    """See :func:`mla_inductor.kernels.sm90.kl_host.forward`."""
+    from . import kl_host
+
+    return kl_host.forward(logits, target, indices, hi, length)
+
+
+def indexer_kl_bwd(dkl, logits, target, indices, hi, length, lse, tsum):
+    """See :func:`mla_inductor.kernels.sm90.kl_host.backward`."""
+    from . import kl_host
+
+    return kl_host.backward(dkl, logits, target, indices, hi, length, lse, tsum)

@@ -1,0 +1,135 @@
+"""The indexer loss's per-row KL: the ops ``torch.ops.mla_inductor.indexer_kl`` and
+``indexer_kl_bwd`` (its autograd partner), and their fakes.
+
+DSA's indexer loss (DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with
+DeepSeek Sparse Attention", 2025, section 2.1; :func:`mla_inductor.indexer_kl_loss`) is, per
+row ``r`` of ``K`` slots with its valid set ``V_r``, ``KL(target_r || softmax_{V_r}(logits_r))``.
+
+- ``indexer_kl(logits, target, indices, hi, length) -> (kl, lse, tsum, count)``: ``logits`` and
+  ``target`` ``[R, K]`` float32, ``indices [R, K]`` int32, ``hi`` and ``length`` ``[R]`` int32;
+  slot ``j`` of row ``r`` is valid iff ``0 <= indices[r, j] <= hi[r]`` and ``j < length[r]``
+  (the caller folds ``kv_len``, the causal positions and ``topk_length`` into ``hi`` and
+  ``length``). Returns ``[R]`` tensors: ``kl[r] = sum_{j in V_r, target != 0} t_j (log t_j -
+  l_j + lse_r)`` float32 (0 for a row without a valid slot), ``lse[r] = log sum_{V_r} exp(l_j)``
+  float32 (-inf for none), ``tsum[r] = sum_{V_r, t != 0} t_j`` float32 and ``count[r] = |V_r|``
+  int32. Differentiable in ``logits`` through ``kl`` only; empty slots are never read for the
+  value and get a zero gradient.
+- ``indexer_kl_bwd(dkl, logits, target, indices, hi, length, lse, tsum) -> dlogits [R, K]``
+  float32: ``dkl[r] (exp(l - lse[r]) tsum[r] - t)`` on the valid slots, 0 elsewhere.
+
+Both are deterministic on every backend (fixed summation orders). Dispatch:
+:func:`mla_inductor.backends.select` with the directions ``"indexer_kl"`` and
+``"indexer_kl_bwd"`` (float32 tensors: the kernels' own dtype); the protocol functions are in
+:mod:`mla_inductor.kernels`. This module holds no kernel code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import backends, lowering
+from .validation import require
+
+_LAYOUT = (torch.Tag.needs_contiguous_strides,)
+
+
+def check_inputs(logits: Tensor, target: Tensor, indices: Tensor, hi: Tensor,
+                 length: Tensor) -> None:
+    """Checks the canonical inputs (shapes, dtypes, devices; never values).
+
+    Raises:
+        RuntimeError: starting ``sparse_mla:``, naming what does not match.
+    """
+    shapes = tuple(logits.shape), tuple(target.shape), tuple(indices.shape)
+    require(logits.dim() == 2 and target.shape == logits.shape and indices.shape == logits.shape,
+            lambda: f"sparse_mla: indexer_kl needs logits, target and indices [R, K] of one "
+            f"shape, got {shapes[0]}, {shapes[1]}, {shapes[2]}")
+    rows = (tuple(hi.shape), tuple(length.shape))
+    require(hi.dim() == 1 and length.dim() == 1 and hi.shape[0] == logits.shape[0]
+            and length.shape[0] == logits.shape[0],
+            lambda: f"sparse_mla: indexer_kl needs hi and length [R] with R = logits.shape[0], "
+            f"got {rows[0]}, {rows[1]}")
+    dtypes = (logits.dtype, target.dtype, indices.dtype, hi.dtype, length.dtype)
+    require(dtypes == (torch.float32, torch.float32, torch.int32, torch.int32, torch.int32),
+            lambda: f"sparse_mla: indexer_kl takes float32 logits and target, int32 indices, hi "
+            f"and length, got {', '.join(str(d) for d in dtypes)}")
+    devices = {t.device for t in (logits, target, indices, hi, length)}
+    require(len(devices) == 1, lambda: f"sparse_mla: indexer_kl got tensors on different "
+                                       f"devices: {sorted(str(d) for d in devices)}")
+
+
+@torch.library.custom_op("mla_inductor::indexer_kl", mutates_args=(), tags=_LAYOUT)
+def indexer_kl(logits: Tensor, target: Tensor, indices: Tensor, hi: Tensor,
+               length: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(kl, lse, tsum, count)`` per row on the backend :mod:`mla_inductor.backends` selects
+    (module docstring).
+
+    Raises:
+        RuntimeError: :func:`check_inputs` (also from the fake kernel at trace time), or a forced
+            backend that cannot run here.
+    """
+    check_inputs(logits, target, indices, hi, length)
+    backend = backends.select(logits.device, logits.dtype, "indexer_kl")
+    return backend.indexer_kl(logits.contiguous(), target.contiguous(), indices.contiguous(),
+                              hi.contiguous(), length.contiguous())
+
+
+@indexer_kl.register_fake
+def _(logits, target, indices, hi, length):
+    check_inputs(logits, target, indices, hi, length)
+    lowering.install()
+    R = logits.shape[0]
+    return (logits.new_empty(R), logits.new_empty(R), logits.new_empty(R),
+            logits.new_empty(R, dtype=torch.int32))
+
+
+@torch.library.custom_op("mla_inductor::indexer_kl_bwd", mutates_args=(), tags=_LAYOUT)
+def indexer_kl_bwd(dkl: Tensor, logits: Tensor, target: Tensor, indices: Tensor, hi: Tensor,
+                   length: Tensor, lse: Tensor, tsum: Tensor) -> Tensor:
+    """``dlogits [R, K]`` float32 on the backend :mod:`mla_inductor.backends` selects (module
+    docstring).
+
+    Raises:
+        RuntimeError: :func:`check_inputs`, ``dkl``, ``lse`` or ``tsum`` not ``[R]`` float32 (also
+            from the fake kernel at trace time), or a forced backend that cannot run here.
+    """
+    _check_rows(dkl, lse, tsum, logits)
+    check_inputs(logits, target, indices, hi, length)
+    backend = backends.select(logits.device, logits.dtype, "indexer_kl_bwd")
+    return backend.indexer_kl_bwd(dkl.contiguous(), logits.contiguous(), target.contiguous(),
+                                  indices.contiguous(), hi.contiguous(), length.contiguous(),
+                                  lse.contiguous(), tsum.contiguous())
+
+
+def _check_rows(dkl: Tensor, lse: Tensor, tsum: Tensor, logits: Tensor) -> None:
+    for name, t in (("dkl", dkl), ("lse", lse), ("tsum", tsum)):
+        shape, dtype = tuple(t.shape), t.dtype
+        require(t.dim() == 1 and t.shape[0] == logits.shape[0] and dtype == torch.float32
+                and t.device == logits.device,
+                lambda: f"sparse_mla: indexer_kl_bwd needs {name} [R] float32 on logits' device, "
+                f"got {dtype} {shape}")
+
+
+@indexer_kl_bwd.register_fake
+def _(dkl, logits, target, indices, hi, length, lse, tsum):
+    _check_rows(dkl, lse, tsum, logits)
+    check_inputs(logits, target, indices, hi, length)
+    lowering.install()
+    return logits.new_empty(logits.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, indices, hi, length = inputs
+    _, lse, tsum, _ = output
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(logits, target, indices, hi, length, lse, tsum)
+
+
+def _backward(ctx, dkl, *_):
+    logits, target, indices, hi, length, lse, tsum = ctx.saved_tensors
+    dlogits = indexer_kl_bwd(dkl.contiguous(), logits, target, indices, hi, length, lse, tsum)
+    return dlogits, None, None, None, None
+
+
+indexer_kl.register_autograd(_backward, setup_context=_setup_context)
