@@ -328,10 +328,12 @@ def test_the_logits_are_the_selections_scores_in_any_chunking(name, monkeypatch)
 
 def test_the_backward_keeps_no_gathered_keys(monkeypatch):
     """What the loss keeps for the backward (tensors autograd saves while a layer computes it,
-    other than those the model saves anyway): 14 bytes per selected slot (int32 indices, float32
-    target and log-probabilities, two bool masks), the indexer's queries ``[B, T, n_heads,
-    head_dim]`` (which the selection's scores keep), its keys up to three times, its head weights
-    and O(B·T); not the gathered keys ``[B, T, topk, head_dim]`` (64 bytes per slot here)."""
+    other than those the model saves anyway): 12 bytes per selected slot (int32 indices, float32
+    logits and target, which the KL keeps), and with the batch's padding 4 more (the selection's
+    own indices, which its scores keep, apart from the masked ones the attention reads), the
+    indexer's queries ``[B, T, n_heads, head_dim]`` (which the selection's scores keep), its keys
+    up to three times, its head weights and O(B·T); not the gathered keys ``[B, T, topk,
+    head_dim]`` (64 bytes per slot here)."""
     model = _model("deepseek_v32", index_topk=24)  # topk != head_dim, so their shapes differ
     hf.apply(model, indexer_loss=True)
     ids, mask = _batch()
@@ -362,10 +364,11 @@ def test_the_backward_keeps_no_gathered_keys(monkeypatch):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(ids, attention_mask=mask, use_cache=False)  # held: no storage reused
     total = sum(n for ptr, n in kept.items() if ptr not in elsewhere)
-    floor = 14 * B * T * topk + 4 * B * T * H * D
-    # keys three times (with the batch's padding the selection keeps its gathered keys and
-    # their int64 order too), head weights, O(B T)
-    per_layer = floor + 3 * 4 * B * T * D + 8 * B * T + 4 * B * T * H + 16 * B * T + 256
+    floor = 12 * B * T * topk + 4 * B * T * H * D
+    # the selection's own indices, keys three times (with the batch's padding the selection
+    # keeps its gathered keys and their int64 order too), head weights, O(B T)
+    per_layer = (floor + 4 * B * T * topk + 3 * 4 * B * T * D + 8 * B * T + 4 * B * T * H
+                 + 32 * B * T + 256)
     assert 2 * floor < total <= 2 * per_layer, total
     assert total < 2 * 4 * B * T * topk * D  # the gathered keys alone would be more
     hf.indexer_loss(model)

@@ -299,7 +299,7 @@ def indexer_loss(model: nn.Module) -> Tensor:
     (``loss = lm_loss + coef * indexer_loss(model)``), after :func:`apply` with
     ``indexer_loss=True``.
 
-    Each recorded loss holds its graph (about 14 bytes per selected slot and layer) until it is
+    Each recorded loss holds its graph (about 12 bytes per selected slot and layer) until it is
     taken, so call this once per forward: after several forwards (gradient accumulation without a
     call in between) it gives the mean over all of them. With transformers' gradient
     checkpointing (non-reentrant, its default) each forward records once; reentrant
