@@ -222,7 +222,8 @@ def test_on_the_gpu_at_a_real_size_matches_the_reference():
         want = _run(*inputs)
     for a, b in zip(got[:4], want[:4]):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5, equal_nan=True)
-    torch.testing.assert_close(got[4], want[4], rtol=1e-5, atol=1e-9)
+    # the two lse differ in their last bits, so p tsum - t does too (the gradient is up to 0.1)
+    torch.testing.assert_close(got[4], want[4], rtol=1e-5, atol=1e-7)
     rows = torch.arange(0, 16384, 1021, device="cuda")
     sample = [t[rows] for t in inputs]
     _check_against_fp64(*sample, [t[rows] for t in got[:5]] + [got[5][rows]])
