@@ -7,7 +7,9 @@ attention: O(S·T) memory and time per head. :func:`apply` makes each such layer
 attention in the absorbed MLA form instead (DeepSeek-V2, arXiv:2405.04434, section 2.1.2: W^UK
 absorbed into the query, W^UV into the output; DSA on MLA's MQA mode, DeepSeek-V3.2-Exp, 2025):
 
-- ``q_lat[h] = q_nope[h] @ W_uk[h]`` (``[B, T, H, kv_lora_rank]``), query ``cat(q_lat, q_rope)``;
+- ``q_lat[h] = q_nope[h] @ W_uk[h]`` (``[B, T, H, kv_lora_rank]``), query ``cat(q_lat, q_rope)``,
+  the GEMM writing into the query (:func:`~mla_inductor.integrations.head_matmul.head_matmul`: no
+  copy of it, nor of the output or of their gradients);
 - one latent row per token, ``kv = cat(kv_a_layernorm(c), k_rope)`` (``[B, S, kv_lora_rank +
   qk_rope]``): the tensors the model's cache already holds;
 - ``o_lat = sparse_mla(q, kv, top-k, sm_scale=layer.scaling, d_v=kv_lora_rank)``, then
@@ -43,6 +45,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from ..api import sparse_mla
 from . import transformers_indexer_loss as _loss
+from .head_matmul import head_matmul
 from .transformers_indexer import Visibility, indexer_topk
 
 # The attention classes switched, each with its model's RoPE for the attention (interleaved pairs),
@@ -150,7 +153,9 @@ def _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddin
         topk = prev_topk_indices
 
     w = attn.kv_b_proj.weight.view(H, nope + v_dim, rank)
-    q = torch.cat((torch.einsum("bthn,hnr->bthr", q_nope, w[:, :nope]), q_rope), -1)
+    # q = cat(q_nope @ W_uk, q_rope) [B, T, H, rank + rope_dim], the GEMM writing into q
+    q = head_matmul(q_nope.reshape(B * T, H, nope), w[:, :nope],
+                    q_rope.reshape(B * T, H, rope_dim)).view(B, T, H, rank + rope_dim)
     indices = topk  # the keys the mask hides are never named (-1 where a row sees fewer)
     if loss_on:
         o_lat, lse = sparse_mla(q, kv, indices, sm_scale=attn.scaling, d_v=rank, return_lse=True)
@@ -158,7 +163,8 @@ def _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddin
                      indices, lse, logits)
     else:
         o_lat = sparse_mla(q, kv, indices, sm_scale=attn.scaling, d_v=rank)
-    out = torch.einsum("bthr,hvr->bthv", o_lat, w[:, nope:]).reshape(B, T, H * v_dim)
+    out = head_matmul(o_lat.reshape(B * T, H, rank), w[:, nope:].transpose(1, 2), None)
+    out = out.view(B, T, H * v_dim)
     return attn.o_proj(out), topk
 
 
