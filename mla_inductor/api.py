@@ -305,13 +305,13 @@ def indexer_kl_loss(
         positions = layout.token_positions(indices.shape[-2], kv_len, indices, q_positions)
         hi = positions.clamp_max(kv_len - 1).expand(lead)
     else:
-        hi = indices.new_full(lead, kv_len - 1, dtype=torch.int64)
+        hi = indices.new_full(lead, kv_len - 1, dtype=torch.int32)
     if topk_length is None:
         length = indices.new_full(lead, K, dtype=torch.int32)
     else:
         length = topk_length.to(torch.int64).clamp(0, K).expand(lead)
-    if indices.dtype != torch.int32:  # an index >= 2**31 must not wrap into a valid one
-        indices = torch.where((indices >= 0) & (indices < kv_len), indices, -1).to(torch.int32)
+    if indices.dtype != torch.int32:
+        indices = layout.int32_indices(indices, kv_len)
     kl, _, _, count = torch.ops.mla_inductor.indexer_kl(
         indexer_logits.float().reshape(rows, K), target.detach().float().reshape(rows, K),
         indices.reshape(rows, K), hi.reshape(rows).to(torch.int32),

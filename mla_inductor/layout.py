@@ -51,10 +51,10 @@ def _squeeze_heads(t: Tensor, rank: int, what: str) -> Tensor:
     return t.squeeze(-2)
 
 
-def _mask_invalid(indices: Tensor, S) -> Tensor:
-    """Invalid slots -> -1 before any cast or offset: an int64 index >= 2**31 must not wrap into
-    a valid row, and a batch element's index >= S must not land in the next element."""
-    return torch.where((indices >= 0) & (indices < S), indices, -1)
+def int32_indices(indices: Tensor, S) -> Tensor:
+    """``indices`` (any integer dtype) as int32 with every slot outside ``[0, S)`` set to -1
+    first, so that an int64 index >= 2**31 cannot wrap into a valid row."""
+    return torch.where((indices >= 0) & (indices < S), indices, -1).to(torch.int32)
 
 
 def _arange(n, like: Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
@@ -128,7 +128,7 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
             valid = (indices >= 0) & (indices < S)
             indices = torch.where(valid, indices + offsets, -1).to(torch.int32)
         elif indices.dtype != torch.int32:  # one element: its invalid slots stay invalid
-            indices = _mask_invalid(indices, S).to(torch.int32)
+            indices = int32_indices(indices, S)
         q = q.reshape(B * T, q.shape[2], q.shape[3])
         kv = kv.reshape(B * S, kv.shape[2])
         indices = indices.reshape(B * T, indices.shape[-1])
@@ -145,7 +145,7 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
             positions = (positions.expand(B, T) + offsets).reshape(B * T)
         batch = (B, T)
     elif indices.dtype == torch.int64 and kv.dim() == 2:
-        indices = _mask_invalid(indices, kv.shape[0]).to(torch.int32)
+        indices = int32_indices(indices, kv.shape[0])
     if topk_length is not None and topk_length.dtype == torch.int64:
         topk_length = topk_length.clamp(0, indices.shape[-1]).to(torch.int32)
     if positions is not None:

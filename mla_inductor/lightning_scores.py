@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import backends, lowering
+from . import backends, layout, lowering
 from .validation import INDEX_DTYPES, SUPPORTED_DTYPES, check_for
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
@@ -204,9 +204,8 @@ def _lightning_indexer_scores_entry(q, k, weights, indices):
     dtype = indices.dtype
     _check(dtype in INDEX_DTYPES, f"indices must be an integer tensor (int32 or int64), got "
                                   f"{dtype}")
-    if dtype == torch.int64:  # an index >= 2**31 must not wrap into a valid key
-        S = k.shape[-2]
-        indices = torch.where((indices >= 0) & (indices < S), indices, -1).to(torch.int32)
+    if dtype == torch.int64:
+        indices = layout.int32_indices(indices, k.shape[-2])
     if not batched:
         q, k, weights, indices = q[None], k[None], weights[None], indices[None]
     scores = lightning_indexer_scores(q, k, weights, indices)

@@ -42,7 +42,12 @@ def head_matmul(x: Tensor, w: Tensor, tail: Optional[Tensor]) -> Tensor:
     strides (a GEMM operand whose strides it cannot take is copied by ``torch.bmm``: with a unit
     stride in either of its last two axes none is). Differentiable in all three; the backward is
     ``dx = head_matmul(dy[..., :m], wᵀ)`` (token-major again), ``dw[h] = x[:, h]ᵀ @ dy[:, h, :m]``
-    and ``d tail = dy[..., m:]``, read in place.
+    and ``d tail = dy[..., m:]``, read in place. An integration-internal op: the switched layer
+    passes its own tensors, so it checks nothing itself.
+
+    Raises:
+        RuntimeError: ``torch.bmm``'s and ``copy_``'s own errors for operands whose heads, widths
+            or dtypes do not match (not at trace time: the fake kernel only forms the shape).
     """
     N, H, _ = x.shape
     m = w.shape[-1]

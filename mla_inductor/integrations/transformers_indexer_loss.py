@@ -40,10 +40,10 @@ Memory: no ``[B, T, topk, head_dim]`` gather and no ``[B, T, n_heads, topk]`` sc
 (nor formed for the whole problem). What each layer keeps for the backward
 (``tests/test_transformers_indexer_loss.py`` counts it): 12 bytes per selected slot (the int32
 indices, the float32 logits and target, which the KL keeps; with a padding mask 4 more, the
-selection's own indices), 384 MiB at B 1, T 16384, topk 2048, plus the indexer's queries ``[B, T, n_heads, head_dim]`` in the layer's
-dtype (256 MiB there with 64 heads of 128 in bfloat16), its keys up to three times (``[B, T,
-head_dim]``; with a padding mask the selection's gathered keys too), its float32 head weights and
-O(B·T); the layer's ``hidden_states`` and ``q_resid``, which the model keeps for its own backward
+selection's own indices), 384 MiB at B 1, T 16384, topk 2048, plus the indexer's queries ``[B,
+T, n_heads, head_dim]`` in the layer's dtype (256 MiB there with 64 heads of 128 in bfloat16),
+its keys up to three times (``[B, T, head_dim]``; with a padding mask the selection's gathered
+keys too), its float32 head weights and O(B·T); the layer's ``hidden_states`` and ``q_resid``, which the model keeps for its own backward
 anyway, are read too (not the float32 copy of ``hidden_states`` that the float32
 ``weights_proj`` reads: :func:`.transformers_indexer.head_weights`).
 

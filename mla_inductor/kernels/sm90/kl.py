@@ -90,7 +90,7 @@ class IndexerKlSm90:
                 self._backward(logits, target, idx, hi, length, K, lane, mA[r], mB[r], mC[r],
                                mD.iterator.toint() + base)
             else:
-                self._forward(logits, target, idx, hi, length, K, lane, mA, mB, mC, mD, r)
+                self._forward(logits, target, idx, hi, length, lane, mA, mB, mC, mD, r)
 
     @cute.jit
     def _load(self, logits, target, idx, hi, length, j):
@@ -103,7 +103,7 @@ class IndexerKlSm90:
                 ld_global_nc_f32(target + Int64(jj) * 4))
 
     @cute.jit
-    def _forward(self, logits, target, idx, hi, length, K, lane, mKl, mLse, mTsum, mCount, r):
+    def _forward(self, logits, target, idx, hi, length, lane, mKl, mLse, mTsum, mCount, r):
         m = Float32(NEG_INF)
         s = Float32(0.0)
         a = Float32(0.0)
