@@ -20,7 +20,10 @@ Design (decisions, in the order they were taken)
   32 (17..32: 8 tokens) or 16 (1..16: 16 tokens), so N is always 256.
 * Shared memory: Q 64 KiB, a ring of 8 key blocks of 16 KiB (each block two 64-column swizzle
   chunks, one full / empty mbarrier pair per block), the tile's weights (1 KiB, permuted so that
-  each thread's weights of one token are contiguous and load as 16-byte vectors).
+  each thread's weights of one token are contiguous and load as 16-byte vectors; the four quad
+  lanes' rows padded by 16 bytes, so that the 8 lanes of a quarter warp read 4 different bank
+  groups: unpadded, the four rows fell on the same banks and these loads took 4x their ideal
+  shared-memory wavefronts, more than the wgmmas' operand reads).
 * Warp specialisation, 3 warpgroups (384 threads), registers 40 / 232 / 232 (``setmaxnreg``):
   - WG0, producer: Q and the weights (``cp.async``, zero-filled for padded heads and tokens past
     the chunk, one mbarrier), then the CTA's key blocks in order with 16-byte ``cp.async.cg``
@@ -30,7 +33,8 @@ Design (decisions, in the order they were taken)
     MMAs of one block run while the other consumer does its epilogue. Two named barriers hand
     the tensor cores over (a consumer issues its block's 8 wgmmas only after the other has
     issued its previous block's), so that the two cannot fall into phase; measured, the
-    hand-over makes no difference at T = S = 16384 (below), nor do 4 stages instead of 8.
+    hand-over made no difference at T = S = 16384, nor did 4 stages instead of 8 (2026-12-02,
+    before the weights were padded).
 * Epilogue per block and thread (2 key rows x 64 columns of the accumulator): ``relu`` (NaN
   propagating: ``max.NaN``, so a diverged indexer shows in the scores), times the column's
   weight (FMA), summed over the thread's columns of each token (16 per token at head_tile 64),
@@ -49,23 +53,22 @@ Design (decisions, in the order they were taken)
 * One compiled kernel serves every B, T, H <= head_tile, S, chunk and ``ld`` (symbolic); the
   compile key is (dtype, head_tile, causal).
 
-Measured (H200, torch 2.11, CUDA 13.0, nvidia-cutlass-dsl 4.8.1, 2026-12-02; CUDA events,
-medians; bf16, D 128, S = T, causal with bottom-right positions, TFLOPS on the causal FLOPs
-``T S / 2 H D 2``; cuDNN frontend 1.32's ``indexer_forward_wrapper`` (dense ``[T, S]`` fp32 scores)
-and a dense bf16 matmul of the same FLOPs in the same process):
+Measured (H200, torch 2.11, CUDA 13.0, nvidia-cutlass-dsl 4.8.1, 2026-12-03; CUDA events,
+medians of 3 interleaved rounds; bf16, H 64, D 128, S = T, causal, TFLOPS on the causal FLOPs
+``T S / 2 H D 2``; a dense bf16 matmul 16384 x 8192 x 8192 in the same process; T 32768 in 4
+chunks of 8192 rows, the 1 GiB buffer):
 
-=======  ===  =====================  ==========================  ============
-T        H    these scores           cuDNN scores                matmul
-=======  ===  =====================  ==========================  ============
-16384    64   4.79 ms (459 TF)       4.81 ms (457 TF)            745 TF
-16384    64   4.63 ms (475 TF)       (second run)                773 TF
-32768    64   18.89 ms (466 TF)      20.28 ms (434 TF)           783 TF
-16384    32   2.47 ms (445 TF)
-=======  ===  =====================  ==========================  ============
+=======  =====================  ==============================  ============
+T        these scores           the same without the padding    matmul
+=======  =====================  ==============================  ============
+16384    3.51 ms (627 TF)       5.05 ms (436 TF)                749 TF
+32768    15.24 ms (577 TF)      19.23 ms (457 TF)               771 TF
+=======  =====================  ==============================  ============
 
-(T 32768: 4 chunks of 8192 rows, the 1 GiB buffer.) Not causal, T = S = 16384, H 64: 9.74 ms,
-452 TF on ``T S H D 2``: the causal walk costs nothing; the kernel runs at about 60% of the dense
-matmul in steady state.
+Unpadded, ncu counted 539 M shared-memory wavefronts for the weight loads against 135 M ideal
+(T 16384), next to the wgmmas' 337 M, with the L1 / shared pipe 86% busy and the tensor pipe 50%.
+cuDNN frontend 1.32's ``indexer_forward_wrapper`` (dense ``[T, S]`` fp32 scores) took 4.81 ms at
+T 16384 and 20.28 ms at 32768 (2026-12-02, the same bench).
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ STAGES = 8  # key blocks in the ring
 NUM_THREADS = 384
 REGS_PRODUCER, REGS_CONSUMER = 40, 232  # 40 + 2 x 232 = 3 x 168 (the launch allocation)
 SMEM_LIMIT = 227 * 1024
+W_PAD = 4  # floats of padding after each quad lane's row of weights (bank groups)
 BAR_TURN = 1  # named barriers BAR_TURN + role: "consumer `role` may issue its next block"
 
 
@@ -119,7 +123,8 @@ class LightningScoresSm90:
 
     def _smem_bytes(self):
         # Q, the ring, the weights, 2 x STAGES + 1 mbarriers, alignment slack
-        return self.q_bytes + STAGES * self.block_bytes + TILE_N * 4 + (2 * STAGES + 1) * 8 + 2048
+        return (self.q_bytes + STAGES * self.block_bytes + 4 * (TILE_N // 4 + W_PAD) * 4
+                + (2 * STAGES + 1) * 8 + 2048)
 
     @cute.jit
     def __call__(
@@ -208,7 +213,7 @@ class LightningScoresSm90:
             sW = smem.allocate_tensor(
                 Float32,
                 cute.make_layout((4, tokens, self.w_per_token),
-                                 stride=(TILE_N // 4, self.w_per_token, 1)),
+                                 stride=(TILE_N // 4 + W_PAD, self.w_per_token, 1)),
                 16,
             )
             mbar = smem.allocate_array(Int64, 2 * STAGES + 1)
@@ -258,7 +263,7 @@ class LightningScoresSm90:
                     ok = (h < num_heads) & (t < tok_end)
                     src = cutlass.select_(ok, w_base + (Int64(row_base + t) * num_heads + h) * 4,
                                           w_base)
-                    cp_async_4(sW_addr + e * 4, src, cutlass.select_(ok, Int32(4), Int32(0)))
+                    cp_async_4(sW_addr + (e + e // (TILE_N // 4) * W_PAD) * 4, src, cutlass.select_(ok, Int32(4), Int32(0)))
                 cute.arch.cp_async_mbarrier_arrive_noinc(mbar_q)
 
                 k_batch = Int64(b) * seq_k
