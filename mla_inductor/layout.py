@@ -52,8 +52,9 @@ def _squeeze_heads(t: Tensor, rank: int, what: str) -> Tensor:
 
 
 def int32_indices(indices: Tensor, S) -> Tensor:
-    """``indices`` (any integer dtype) as int32 with every slot outside ``[0, S)`` set to -1
-    first, so that an int64 index >= 2**31 cannot wrap into a valid row."""
+    """``indices`` (any shape, any integer dtype) as an int32 tensor of the same shape, every
+    slot outside ``[0, S)`` (``S`` the key count, an int or SymInt) set to -1 before the
+    cast, so that an int64 index >= 2**31 cannot wrap into a valid row. Raises nothing."""
     return torch.where((indices >= 0) & (indices < S), indices, -1).to(torch.int32)
 
 

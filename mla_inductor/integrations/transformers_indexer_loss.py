@@ -43,9 +43,10 @@ indices, the float32 logits and target, which the KL keeps; with a padding mask 
 selection's own indices), 384 MiB at B 1, T 16384, topk 2048, plus the indexer's queries ``[B,
 T, n_heads, head_dim]`` in the layer's dtype (256 MiB there with 64 heads of 128 in bfloat16),
 its keys up to three times (``[B, T, head_dim]``; with a padding mask the selection's gathered
-keys too), its float32 head weights and O(B·T); the layer's ``hidden_states`` and ``q_resid``, which the model keeps for its own backward
-anyway, are read too (not the float32 copy of ``hidden_states`` that the float32
-``weights_proj`` reads: :func:`.transformers_indexer.head_weights`).
+keys too), its float32 head weights and O(B·T); the layer's ``hidden_states`` and ``q_resid``,
+which the model keeps for its own backward anyway, are read too (not the float32 copy of
+``hidden_states`` that the float32 ``weights_proj`` reads:
+:func:`.transformers_indexer.head_weights`).
 
 Transformers' gradient checkpointing (``model.activation_checkpointing_enable()``, non-reentrant
 by default) works: the recomputation inside the backward computes the loss again (its backward

@@ -263,7 +263,8 @@ class LightningScoresSm90:
                     ok = (h < num_heads) & (t < tok_end)
                     src = cutlass.select_(ok, w_base + (Int64(row_base + t) * num_heads + h) * 4,
                                           w_base)
-                    cp_async_4(sW_addr + (e + e // (TILE_N // 4) * W_PAD) * 4, src, cutlass.select_(ok, Int32(4), Int32(0)))
+                    padded = e + e // (TILE_N // 4) * W_PAD  # (q, k') in the padded rows
+                    cp_async_4(sW_addr + padded * 4, src, cutlass.select_(ok, Int32(4), Int32(0)))
                 cute.arch.cp_async_mbarrier_arrive_noinc(mbar_q)
 
                 k_batch = Int64(b) * seq_k
