@@ -17,7 +17,9 @@ What inductor does with our ops (torch 2.9 to 2.14):
 
 This module adds one thing on top, only on torch versions where it was tested: it registers those
 fallbacks explicitly (``make_fallback`` with ``require_contiguous``), so compiled graphs keep
-working when a user sets ``torch._inductor.config.implicit_fallbacks = False``. It is installed
+working when a user sets ``torch._inductor.config.implicit_fallbacks = False``; and, for the
+transformers integration's ``head_matmul``, whose strided operands are its design, the fallback
+with the layout rule the implicit one would give it (:func:`install_like_implicit`). It is installed
 lazily, from the fake kernels, once inductor is already imported (importing inductor costs
 seconds, which eager users should not pay). Without it (other torch versions), the tag above
 gives the same generated code through inductor's implicit fallback. The gate's decision is
@@ -45,6 +47,17 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def _admitted() -> bool:
+    """Whether inductor is loaded and this torch is in :data:`TESTED_TORCH` (the decision is
+    logged once, the first time inductor is found loaded)."""
+    if "torch._inductor.lowering" not in sys.modules:
+        return False
+    low, high = TESTED_TORCH
+    admitted = low <= _torch_version() <= high
+    _log_gate(admitted)
+    return admitted
+
+
 def install() -> bool:
     """Registers the explicit fallback lowerings if inductor is loaded and this torch was tested.
 
@@ -54,12 +67,7 @@ def install() -> bool:
     global _installed
     if _installed:
         return True
-    if "torch._inductor.lowering" not in sys.modules:
-        return False
-    low, high = TESTED_TORCH
-    admitted = low <= _torch_version() <= high
-    _log_gate(admitted)
-    if not admitted:
+    if not _admitted():
         return False
     from torch._inductor.lowering import lowerings, make_fallback, require_contiguous
 
@@ -76,6 +84,28 @@ def install() -> bool:
         if op not in lowerings:
             make_fallback(op, layout_constraint=require_contiguous, warn=False)
     _installed = True
+    return True
+
+
+def install_like_implicit(op: torch._ops.OpOverload) -> bool:
+    """Registers ``op``'s explicit fallback lowering with the layout rule inductor's implicit
+    fallback gives it (the rule of the op's layout tag, else of
+    ``torch._functorch.config.custom_op_default_layout_constraint``), if inductor is loaded and
+    this torch was tested: for ops outside the core list whose strides are part of their design
+    (the transformers integration's ``head_matmul``), so that the generated code is the same
+    with ``implicit_fallbacks=False``.
+
+    Returns:
+        Whether ``op`` has a lowering (now or earlier).
+    """
+    if not _admitted():
+        return False
+    from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
+    from torch._library.utils import get_layout_constraint_tag
+
+    if op not in lowerings:
+        rule = tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        make_fallback(op, layout_constraint=rule, warn=False)
     return True
 
 

@@ -4,6 +4,11 @@ gradients), without a copy of the query or of the gradients, under torch.compile
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -11,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from mla_inductor.integrations.head_matmul import head_matmul
 
 N, H, NOPE, ROPE, RANK, V = 24, 3, 8, 4, 16, 6
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _operands(dtype=torch.float64, seed=0, n=N):
@@ -116,3 +122,43 @@ def test_opcheck(tail):
     q_b, weight, _ = _operands(torch.float32)
     q_nope, q_rope = q_b.split([NOPE, ROPE], -1)
     torch.library.opcheck(head_matmul, (q_nope, weight[:, :NOPE], q_rope if tail else None))
+
+
+
+_COMPILE_THE_LAYER = """
+import json, re, sys, torch
+sys.path.insert(0, "tests")
+from test_head_matmul import _layer, _operands, head_matmul
+from torch._inductor.utils import run_and_get_code
+
+def loss(q_b, weight, o_lat):
+    q, out = _layer(q_b, weight, o_lat, head_matmul)
+    return q.square().sum() + out.square().sum()
+
+def step(fn, args):
+    value = fn(*args)
+    return value, torch.autograd.grad(value, args)
+
+args = _operands(torch.float32)
+want = step(loss, args)
+with torch._inductor.config.patch(implicit_fallbacks=sys.argv[1] == "1", fx_graph_cache=False):
+    got, code = run_and_get_code(step, torch.compile(loss, fullgraph=True), args)
+torch.testing.assert_close(got, want)
+print(json.dumps([re.sub(r"^# AOT ID: .*\\n", "", c) for c in code]))
+"""
+
+
+def test_inductor_without_implicit_fallbacks_generates_the_same_code():
+    """The op's explicit fallback (registered from its fake kernel) keeps the layout rule of the
+    implicit one: with ``implicit_fallbacks=False`` inductor compiles the layer's forward and
+    backward to the same code as with implicit fallbacks (each in a fresh process: a fallback,
+    once made, stays registered), and the values and gradients match eager."""
+    codes = []
+    for implicit in ("1", "0"):
+        done = subprocess.run([sys.executable, "-c", _COMPILE_THE_LAYER, implicit], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        codes.append(json.loads(done.stdout.splitlines()[-1]))
+    assert len(codes[1]) == 2  # the forward's and the backward's
+    assert "torch.ops.mla_inductor.head_matmul.default" in "".join(codes[1])
+    assert codes[0] == codes[1]

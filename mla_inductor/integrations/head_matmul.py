@@ -32,6 +32,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import lowering
+
 
 @torch.library.custom_op("mla_inductor::head_matmul", mutates_args=())
 def head_matmul(x: Tensor, w: Tensor, tail: Optional[Tensor]) -> Tensor:
@@ -60,6 +62,7 @@ def head_matmul(x: Tensor, w: Tensor, tail: Optional[Tensor]) -> Tensor:
 
 @head_matmul.register_fake
 def _(x, w, tail):
+    lowering.install_like_implicit(torch.ops.mla_inductor.head_matmul.default)
     return x.new_empty((x.shape[0], x.shape[1], w.shape[-1] + (0 if tail is None else
                                                                tail.shape[-1])))
 
