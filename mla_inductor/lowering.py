@@ -19,12 +19,13 @@ This module adds one thing on top, only on torch versions where it was tested: i
 fallbacks explicitly (``make_fallback`` with ``require_contiguous``), so compiled graphs keep
 working when a user sets ``torch._inductor.config.implicit_fallbacks = False``; and, for the
 transformers integration's ``head_matmul``, whose strided operands are its design, the fallback
-with the layout rule the implicit one would give it (:func:`install_like_implicit`). It is installed
-lazily, from the fake kernels, once inductor is already imported (importing inductor costs
-seconds, which eager users should not pay). Without it (other torch versions), the tag above
-gives the same generated code through inductor's implicit fallback. The gate's decision is
-logged once per process on the ``mla_inductor`` log (INFO; ``TORCH_LOGS="mla_inductor"``): the
-torch version, the tested range and whether the lowerings were registered.
+with the layout rule the implicit one would give it (:func:`install_like_implicit`; tested on torch
+2.13, CPU). It is installed lazily, from the fake kernels, once inductor is already imported
+(importing inductor costs seconds, which eager users should not pay). Without it (other torch
+versions), the tag above gives the same generated code through inductor's implicit fallback. The
+gate's decision is logged once per process on the ``mla_inductor`` log (INFO;
+``TORCH_LOGS="mla_inductor"``): the torch version, the tested range and whether the lowerings were
+registered.
 
 Tested: torch 2.13.0 and 2.14.1 (CPU; 2.14.1 a CUDA build run on the CPU) and 2.11.0 (CUDA, H200).
 """
@@ -95,8 +96,11 @@ def install_like_implicit(op: torch._ops.OpOverload) -> bool:
     (the transformers integration's ``head_matmul``), so that the generated code is the same
     with ``implicit_fallbacks=False``.
 
+    Args:
+        op: a custom op's overload, e.g. ``torch.ops.mla_inductor.head_matmul.default``.
+
     Returns:
-        Whether ``op`` has a lowering (now or earlier).
+        Whether ``op`` has a lowering (now or earlier). Raises nothing of its own.
     """
     if not _admitted():
         return False

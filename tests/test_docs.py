@@ -29,19 +29,17 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
 KNOWN = ("gpu", "torchrun 2", "needs transformers")
-# Appended to a torchrun block, the way ``mla_inductor.bench.ranks`` ends its ranks: once the
-# block has ended (after its ``destroy_process_group``), every rank waits until all have got here
-# (a file each in the block's folder), then the process ends without the interpreter's shutdown.
-# Leaving through that shutdown, a gloo rank now and then died with "terminate called without an
-# active exception" (SIGABRT) after the block had passed (CI on 2 cores, 2026-12-01 and
-# 2026-12-03). A block that raises never gets here, and fails.
+# Appended to a torchrun block, the way ``mla_inductor.bench.ranks`` ends its ranks (its file
+# barrier): once the block has ended (after its ``destroy_process_group``), every rank waits until
+# all have got here, then the process ends without the interpreter's shutdown. Leaving through
+# that shutdown, a gloo rank now and then died with "terminate called without an active
+# exception" (SIGABRT) after the block had passed (CI on 2 cores, 2026-12-01 and 2026-12-03). A
+# block that raises never gets here, and fails.
 LEAVE = """
-import os as _os, sys as _sys, time as _time
-_here = _os.path.dirname(_os.path.abspath(__file__))
-open(_os.path.join(_here, f"left{_os.environ['RANK']}"), "w").close()
-while not all(_os.path.exists(_os.path.join(_here, f"left{_r}"))
-              for _r in range(int(_os.environ["WORLD_SIZE"]))):
-    _time.sleep(0.005)
+import os as _os, sys as _sys
+from mla_inductor.bench.ranks import _all_reached
+_all_reached(_os.path.dirname(_os.path.abspath(__file__)), "left", int(_os.environ["RANK"]),
+             int(_os.environ["WORLD_SIZE"]))
 _sys.stdout.flush()
 _sys.stderr.flush()
 _os._exit(0)

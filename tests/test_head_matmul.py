@@ -124,7 +124,6 @@ def test_opcheck(tail):
     torch.library.opcheck(head_matmul, (q_nope, weight[:, :NOPE], q_rope if tail else None))
 
 
-
 _COMPILE_THE_LAYER = """
 import json, re, sys, torch
 sys.path.insert(0, "tests")
