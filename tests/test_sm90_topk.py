@@ -123,12 +123,42 @@ def test_select_matches_reference(kind, topk):
 @cuda
 @pytest.mark.parametrize("kind", ["randn", "small_set", "narrow", "nonfinite"])
 def test_long_rows(kind):
-    """Rows of 131072 (re-read from global memory) next to rows that fit shared memory."""
+    """Rows re-read from global memory, with their bitmaps in the row cache (up to 16 x its
+    length) and without, next to rows that fit shared memory."""
+    from mla_inductor.kernels.sm90 import topk_host
+
     _sm90_or_skip()
-    R, ld = 6, 131072
+    cache = topk_host.CACHE_ELEMS
+    R, ld = 7, 16 * cache + 8000
     buf = _rows(kind, R, ld, seed=3, device="cuda")
-    row_len = torch.tensor([131072, 131071, 16384, 16385, 20000, 4097], dtype=torch.int32)
+    row_len = torch.tensor([ld, 16 * cache, 16 * cache - 1, cache, cache + 1, 20000, 4097],
+                           dtype=torch.int32)
     _check(buf, row_len.cuda(), 2048, reruns=2)
+
+
+def threshold_tie_rows(R, ld, topk, seed=0):
+    """randn rows in which 7 more keys take the value of the topk-th largest, so that exact
+    ties straddle the selection's boundary while its threshold bin stays small."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(R, ld, generator=g)
+    kth = torch.topk(buf, topk, dim=1).values[:, -1:]
+    at = torch.randint(0, ld, (R, 7), generator=g)
+    return buf.scatter_(1, at, kth.expand(R, 7))
+
+
+@cuda
+@pytest.mark.parametrize("where", ["cached", "bitmaps in the row cache", "no bitmaps"])
+def test_ties_at_the_threshold(where):
+    """Rows that fit shared memory, rows whose bitmaps fit the row cache, and longer rows."""
+    from mla_inductor.kernels.sm90 import topk_host
+
+    _sm90_or_skip()
+    cache = topk_host.CACHE_ELEMS
+    ld = {"cached": cache - 400, "bitmaps in the row cache": 4 * cache,
+          "no bitmaps": 16 * cache + 4000}[where]
+    buf = threshold_tie_rows(4, ld, 2048, seed=ld).cuda()
+    _check(buf, torch.tensor([ld, ld, ld - 1, ld - 3], dtype=torch.int32, device="cuda"), 2048,
+           reruns=1)
 
 
 @cuda
@@ -153,6 +183,18 @@ def test_topk_wider_than_buffer_and_zero():
                      torch.empty(3, 0, device="cuda"))
     _check(torch.empty(3, 0, device="cuda"), torch.tensor([0, 4, -1], dtype=torch.int32,
                                                           device="cuda"), 5)
+
+
+@cuda
+def test_topk_wider_than_the_output_staging():
+    """topk over the shared-memory staging of the output: the slots go out in several rounds."""
+    from mla_inductor.kernels.sm90 import topk_host
+
+    _sm90_or_skip()
+    topk = 2 * topk_host.CAND_ELEMS + 5
+    buf = _rows("randn", 4, 20000, seed=9, device="cuda")
+    _check(buf, torch.tensor([20000, 9000, topk + 1, topk - 1], dtype=torch.int32,
+                             device="cuda"), topk)
 
 
 def bin_boundary_rows(R, ld, seed=0):

@@ -30,43 +30,67 @@ Design
   flight). A row of at most ``cache_elems`` keeps its radix keys ``u`` in shared memory, padded
   with sentinels to whole tiles (the later passes read it without bounds checks); a longer row
   is re-read from global memory (L2).
-* Candidates: when the first digit's threshold bin holds at most ``cand_elems`` elements, one
-  filter pass appends their keys to a shared-memory buffer (``atom.shared.add`` on a counter; the
-  order does not matter, only their histograms are taken) and the second and third digits are
-  histogrammed over the candidates alone; otherwise those passes run over the whole row.
-* Ordered compaction: tiles of ``16 * num_threads`` elements, 16 consecutive per thread; each
-  thread counts its elements above and equal to the threshold, one block-wide exclusive scan of
-  the packed counts ``above + 65536 * equal`` (warp shuffles, then the warps' totals in shared
-  memory, double-buffered by tile parity) gives each element its slot: ``above_before +
-  min(equal_before, need)``. Slots are therefore in ascending key index and ties go to the
-  smaller index. The tile loop stops once all ``topk`` slots are filled. From the row cache a
-  score is rebuilt from its key, except for the keys standing for several floats (+-0, NaN),
-  whose bits are re-read from global memory.
+* Candidates and bitmaps: when the first digit's threshold bin holds at most ``cand_elems``
+  elements, a second pass over the row appends their ``(radix key, index)`` pairs to a
+  shared-memory buffer (``atom.shared.add`` on a counter, any order) and sets, with
+  ``red.shared.or``, the bits of the elements above that bin in a bitmap of the row (one bit a
+  key, ``ceil(n / 32)`` words). Read from global memory, this pass walks the row from its end:
+  the first pass read that end last, so more of it is still in L2. The second and third digits
+  are histogrammed over the candidates alone; then the candidates above the final threshold get
+  their bits, and so do those at it when all of them are taken. Otherwise (exact ties across
+  the boundary) those go to a second bitmap, and a block scan of the threads' counts of its bits
+  (each thread owns a contiguous range of words) moves the first ``need`` of them, in index
+  order, into the first. A cached row's bitmaps have their own buffer (``cache_elems / 16``
+  words); a longer row's use the row cache, unused then, so rows up to ``16 * cache_elems``
+  keys take this path.
+* Output from the bitmap: a block scan of the threads' popcounts gives each thread the first
+  slot of its words' bits; the threads write ``(index, score)`` of their bits in order into a
+  shared-memory staging area (the candidates' buffer, free by now; ``cand_elems`` slots a
+  round), and the staged slots go out in coalesced rows. Slots are therefore in ascending key
+  index and ties go to the smaller index. A score comes from the row cache (rebuilt from its
+  key, re-read from global memory for the keys that stand for several floats: +-0, NaN) or is
+  re-read from global memory.
+* Fallback, when the threshold bin holds more than ``cand_elems`` elements or a row is too long
+  for its bitmaps: the second and third digits are histogrammed over the whole row, then an
+  ordered compaction walks it in tiles of ``16 * num_threads`` elements, 16 consecutive per
+  thread: each thread counts its elements above and equal to the threshold, one block-wide
+  exclusive scan of the packed counts ``above + 65536 * equal`` (warp shuffles, then the warps'
+  totals in shared memory, double-buffered by tile parity) gives each element its slot:
+  ``above_before + min(equal_before, need)``. The tile loop stops once all ``topk`` slots are
+  filled.
 * Occupancy: ``min_blocks`` CTAs per SM bound the registers (``nvvm.minctasm``); the shared
   memory carveout is the largest.
 * 64-bit addressing of the buffer and outputs (``R * ld`` may pass 2**31). One compiled kernel
   serves every ``R``, ``ld`` and ``topk`` (symbolic); the compile key is ``(num_threads,
   cache_elems, cand_elems, min_blocks)``. Launched on torch's current stream through TVM-FFI.
 
-Measured (H200, torch 2.11, 2026-12-02; buffer ``[T, T]`` float32 of ``randn`` scores, causal
-``row_len = t + 1``, topk 2048, CUDA events, median of 5 x 10 calls; cuDNN frontend 1.32's
-``indexer_top_k_wrapper`` and ``torch.topk`` on the same buffer in the same process):
+Measured (H200, torch 2.11, 2026-12-03; real score buffers: the score kernel's output for
+``randn`` q and k, 64 heads, causal ``row_len = t + 1``, the rows of one chunk; topk 2048; CUDA
+events, medians of 3 interleaved rounds; cuDNN frontend 1.32's ``indexer_top_k_wrapper`` on
+the same buffer in the same process; all outputs bitwise the same as the compaction's):
 
-=====  ==================  ============  ======================  ==========
-T      this kernel ms      cuDNN ms      cuDNN deterministic ms  torch.topk
-=====  ==================  ============  ======================  ==========
-16384  0.785               0.526         0.672                   3.99
-32768  2.549               1.782         2.176                   13.85
-=====  ==================  ============  ======================  ==========
+==========  ============  =================  ===============================  ==========
+T           rows          this kernel ms     the compaction (before) ms       cuDNN ms
+==========  ============  =================  ===============================  ==========
+16384       0-16384       0.641              0.777                            0.528
+32768       24576-32768   0.841              1.026                            0.745
+65536       28672-32768   0.461              0.564                            0.428
+65536       61440-65536   0.875              1.103                            0.722
+131072      129024-       0.916              1.139                            0.703
+==========  ============  =================  ===============================  ==========
 
-On a narrow distribution (``0.05 * randn + 3``: the first digit's bins are hot) 0.844 / 2.828 ms
-against cuDNN's 0.969 / 4.027. The other configurations measured (128 to 512 threads, 4096 to
-12288 cached elements, 1024 or 2048 candidates, 2 to 6 CTAs per SM) were within 5% of these,
-except 512 threads x 2 CTAs (18% slower).
+The staged output made the most of it (16384: 0.79 -> 0.64 ms; writing each slot straight to
+global memory, a warp's 32 stores fell on 32 sectors); the reversed second pass gave 2-4% on
+rows longer than the cache. 512 threads with a 16384-key cache and 2 CTAs per SM were the
+fastest of the configurations measured on rows longer than the cache (256 threads, 8192 keys,
+3 CTAs: 1-7% slower there, 1-25% faster on rows under 8192 keys); 8 vectors in flight per
+thread in the global passes instead of 4 were 1-3% slower.
 
 The radix select with a shared-memory histogram per digit is the standard GPU selection
 technique; this kernel's own choices are the digit split, the exact-need early stop, the
-candidate buffer and the scan-based ordered compaction.
+candidate buffer, the bitmap output with its tie ranking, and the fallback compaction. cuDNN
+frontend 1.32's deterministic SM90 top-k also orders its output with an index bitmap and
+popcounts.
 """
 
 from __future__ import annotations
@@ -83,7 +107,8 @@ from .ptx import _asm, ld_global_nc_b32, st_global_b32
 BINS = 2048  # histogram bins (the widest digit, 11 bits)
 DIGITS = ((21, 0x7FF), (10, 0x7FF), (0, 0x3FF))  # (shift, mask) of the three digits
 VEC = 4  # elements per 16-byte vector
-BATCH = 4  # vectors per thread in flight in a histogram pass
+BATCH = 4  # vectors per thread in flight in a pass over a cached row
+GLOBAL_BATCH = 4  # vectors per thread in flight in a pass that reads global memory
 PER_THREAD = 16  # consecutive elements per thread in a compaction tile
 INT_MIN = -(2**31)
 SMEM_LIMIT = 227 * 1024
@@ -145,6 +170,38 @@ def red_shared_add_1(addr: Int32, *, loc=None, ip=None):
     _stmt("red.shared.add.u32 [$0], 1;", "r,~{memory}", [Int32(addr)], loc=loc, ip=ip)
 
 
+@dsl_user_op
+def red_shared_or(addr: Int32, v: Int32, *, loc=None, ip=None):
+    """``red.shared.or.b32 [addr], v``."""
+    _stmt("red.shared.or.b32 [$0], $1;", "r,r,~{memory}", [Int32(addr), Int32(v)], loc=loc,
+          ip=ip)
+
+
+@dsl_user_op
+def st_shared_v2(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None):
+    """``st.shared.v2.b32`` to an 8-byte aligned shared address."""
+    _stmt("st.shared.v2.b32 [$0], {$1, $2};", "r,r,r,~{memory}",
+          [Int32(addr), Int32(a), Int32(b)], loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
+    """``ld.shared.b32``."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)],
+                                 "ld.shared.b32 $0, [$1];", "=r,r,~{memory}",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def popc(x: Int32, *, loc=None, ip=None) -> Int32:
+    """``popc.b32``: the number of set bits."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)],
+                                 "popc.b32 $0, $1;", "=r,r", has_side_effects=False,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))
+
+
 # ------------------------------------------------------------------------------------------------
 # the kernel
 # ------------------------------------------------------------------------------------------------
@@ -180,10 +237,10 @@ class TopkSelectSm90:
                              f"{cand_elems} candidates do not fit in shared memory")
 
     def _smem_bytes(self):
-        # row cache, 2 histograms, candidates, their counter, 2 x warps' totals, 4 result words,
-        # alignment slack
-        return 4 * (self.cache_elems + 2 * BINS + self.cand_elems + 4 + 2 * self.num_warps
-                    + 4) + 256
+        # row cache, 2 histograms, candidates (key, index), their counter, the cached rows' two
+        # bitmaps, 2 x warps' totals, 4 result words, alignment slack
+        return 4 * (self.cache_elems + 2 * BINS + 2 * self.cand_elems + 4
+                    + self.cache_elems // 16 + 2 * self.num_warps + 4) + 256
 
     @cute.jit
     def __call__(self, mBuf: cute.Tensor, mRowLen: cute.Tensor, mIdx: cute.Tensor,
@@ -217,8 +274,9 @@ class TopkSelectSm90:
         smem = cutlass.memory.SmemAllocator()
         sRow = smem.allocate_tensor(Int32, cute.make_layout((self.cache_elems,)), 16)
         sHist = smem.allocate_tensor(Int32, cute.make_layout((2 * BINS,)), 16)
-        sCand = smem.allocate_tensor(Int32, cute.make_layout((self.cand_elems,)), 16)
+        sCand = smem.allocate_tensor(Int32, cute.make_layout((2 * self.cand_elems,)), 16)
         sCount = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)
+        sBits = smem.allocate_tensor(Int32, cute.make_layout((self.cache_elems // 16,)), 16)
         sWarp = smem.allocate_tensor(Int32, cute.make_layout((2 * self.num_warps,)), 16)
         sRes = smem.allocate_tensor(Int32, cute.make_layout((4,)), 16)
         row_s = sRow.iterator.toint()
@@ -248,8 +306,17 @@ class TopkSelectSm90:
                 sHist[i * nt + tidx] = Int32(0)
             if tidx == 0:
                 sCount[0] = Int32(0)
-            cute.arch.sync_threads()
             cached = n <= self.cache_elems
+            # the bitmaps (selected, tied), n_words words each: a cached row's in their own
+            # buffer, a longer row's in the unused row cache when they fit there
+            n_words = (n + 31) // 32
+            fits = cached | (2 * n_words <= self.cache_elems)
+            sel_s = cutlass.select_(cached, sBits.iterator.toint(), row_s)
+            eq_s = sel_s + n_words * 4
+            if fits:
+                for w in cutlass.range(tidx, 2 * n_words, nt, unroll=1):
+                    st_shared_b32(sel_s + w * 4, Int32(0))
+            cute.arch.sync_threads()
             nvec = (n + VEC - 1) // VEC
             # vectors of the cached row, padded with sentinels to whole tiles
             npv = (n + self.tile - 1) // self.tile * (self.tile // VEC)
@@ -260,37 +327,42 @@ class TopkSelectSm90:
             cute.arch.sync_threads()
             need = topk
             b, above, count = self._find(sHist, 0, sWarp, sRes, need, tidx, lane, warp)
+            top_bin = b
             thr_u = b << DIGITS[0][0]
             need = need - above
             shift = Int32(DIGITS[0][0])
             n_cand = count
             cnt = count
-            if cnt != need:
+            with_cand = n_cand <= self.cand_elems
+            use_bits = fits & with_cand
+            if use_bits | (cnt != need):
                 # histogram A is free again (its scan is over): zeroed for the third digit
                 for i in cutlass.range_constexpr(BINS // nt):
                     sHist[i * nt + tidx] = Int32(0)
-                if n_cand <= self.cand_elems:
+                if with_cand:
                     if cached:
-                        self._gather(row, row_s, cand_s, count_s, n, nvec, npv, thr_u, tidx,
-                                     True)
+                        self._gather(row, row_s, cand_s, count_s, sel_s, use_bits, n, nvec, npv,
+                                     top_bin, tidx, True)
                     else:
-                        self._gather(row, row_s, cand_s, count_s, n, nvec, npv, thr_u, tidx,
-                                     False)
+                        self._gather(row, row_s, cand_s, count_s, sel_s, use_bits, n, nvec, npv,
+                                     top_bin, tidx, False)
                     cute.arch.sync_threads()
-                    self._cand_hist(sCand, hist_b, n_cand, thr_u, 1, tidx)
-                    cute.arch.sync_threads()
-                    b, above, cnt = self._find(sHist, BINS, sWarp, sRes, need, tidx, lane, warp)
-                    thr_u = thr_u | (b << DIGITS[1][0])
-                    need = need - above
-                    shift = Int32(DIGITS[1][0])
                     if cnt != need:
-                        self._cand_hist(sCand, hist_a, n_cand, thr_u, 2, tidx)
+                        self._cand_hist(sCand, hist_b, n_cand, thr_u, 1, tidx)
                         cute.arch.sync_threads()
-                        b, above, cnt = self._find(sHist, 0, sWarp, sRes, need, tidx, lane,
+                        b, above, cnt = self._find(sHist, BINS, sWarp, sRes, need, tidx, lane,
                                                    warp)
-                        thr_u = thr_u | b
+                        thr_u = thr_u | (b << DIGITS[1][0])
                         need = need - above
-                        shift = Int32(0)
+                        shift = Int32(DIGITS[1][0])
+                        if cnt != need:
+                            self._cand_hist(sCand, hist_a, n_cand, thr_u, 2, tidx)
+                            cute.arch.sync_threads()
+                            b, above, cnt = self._find(sHist, 0, sWarp, sRes, need, tidx, lane,
+                                                       warp)
+                            thr_u = thr_u | b
+                            need = need - above
+                            shift = Int32(0)
                 else:
                     if cached:
                         self._hist_pass(row, row_s, hist_b, n, nvec, npv, thr_u, 1, tidx, True)
@@ -315,19 +387,33 @@ class TopkSelectSm90:
                         need = need - above
                         shift = Int32(0)
             thr = (thr_u ^ Int32(INT_MIN)) >> shift
-            if cached:
-                self._compact(row, row_s, n, nvec, topk, thr, shift, need, sWarp, idx_row,
-                              score_row, tidx, lane, warp, True)
+            if use_bits:
+                self._cand_mark(sCand, n_cand, thr, shift, cnt == need, sel_s, eq_s, tidx)
+                cute.arch.sync_threads()
+                if cnt != need:
+                    self._tie_mark(sel_s, eq_s, n_words, need, sWarp, tidx, lane, warp)
+                    cute.arch.sync_threads()
+                if cached:
+                    self._emit(sel_s, n_words, topk, cand_s, row, row_s, idx_row, score_row,
+                               sWarp, tidx, lane, warp, True)
+                else:
+                    self._emit(sel_s, n_words, topk, cand_s, row, row_s, idx_row, score_row,
+                               sWarp, tidx, lane, warp, False)
             else:
-                self._compact(row, row_s, n, nvec, topk, thr, shift, need, sWarp, idx_row,
-                              score_row, tidx, lane, warp, False)
+                if cached:
+                    self._compact(row, row_s, n, nvec, topk, thr, shift, need, sWarp, idx_row,
+                                  score_row, tidx, lane, warp, True)
+                else:
+                    self._compact(row, row_s, n, nvec, topk, thr, shift, need, sWarp, idx_row,
+                                  score_row, tidx, lane, warp, False)
 
     @cute.jit
-    def _load_batch(self, row, row_s, base, nvec, tidx, from_smem: cutlass.Constexpr):
-        """``BATCH`` vectors ``base + j * num_threads + tidx``: cached radix keys (padded, never
+    def _load_batch(self, row, row_s, base, nvec, tidx, from_smem: cutlass.Constexpr,
+                    batch: cutlass.Constexpr):
+        """``batch`` vectors ``base + j * num_threads + tidx``: cached radix keys (padded, never
         past the cache) or the row's float bits (clamped to the row's last vector)."""
         vals = []
-        for j in cutlass.range_constexpr(BATCH):
+        for j in cutlass.range_constexpr(batch):
             if const_expr(from_smem):
                 vals.append(ld_shared_v4(row_s + (base + j * self.num_threads + tidx) * (VEC * 4)))
             else:
@@ -340,9 +426,10 @@ class TopkSelectSm90:
         """Histogram of the top digit of every element, read from global memory; with ``store``
         the radix keys ``u`` go to the row cache, 0 (below every key) past the row's end."""
         shift, mask = DIGITS[0]
-        for base in cutlass.range(0, nvec, self.num_threads * BATCH, unroll=1):
-            vals = self._load_batch(row, row_s, base, nvec, tidx, False)
-            for j in cutlass.range_constexpr(BATCH):
+        batch = BATCH if const_expr(store) else GLOBAL_BATCH  # a cached row fills whole tiles
+        for base in cutlass.range(0, nvec, self.num_threads * batch, unroll=1):
+            vals = self._load_batch(row, row_s, base, nvec, tidx, False, batch)
+            for j in cutlass.range_constexpr(batch):
                 v = base + j * self.num_threads + tidx
                 us = []
                 for i in cutlass.range_constexpr(VEC):
@@ -355,26 +442,42 @@ class TopkSelectSm90:
                     st_shared_v4(row_s + v * (VEC * 4), us[0], us[1], us[2], us[3])
 
     @cute.jit
-    def _gather(self, row, row_s, cand_s, count_s, n, nvec, npv, thr_u, tidx,
+    def _gather(self, row, row_s, cand_s, count_s, sel_s, use_bits, n, nvec, npv, top_bin, tidx,
                 from_smem: cutlass.Constexpr):
-        """Appends the radix keys of the elements whose top digit is ``thr_u``'s to the
-        candidates (any order: only their histograms are taken)."""
-        prev_shift = DIGITS[0][0]
+        """Appends ``(radix key, index)`` of the elements whose top digit is ``top_bin`` to the
+        candidates (any order); with ``use_bits``, sets the bits of the elements whose top digit
+        is above it in the selected bitmap at ``sel_s``."""
+        shift, mask = DIGITS[0]
         stop = npv if const_expr(from_smem) else nvec
-        for base in cutlass.range(0, stop, self.num_threads * BATCH, unroll=1):
-            vals = self._load_batch(row, row_s, base, nvec, tidx, from_smem)
-            for j in cutlass.range_constexpr(BATCH):
+        batch = BATCH if const_expr(from_smem) else GLOBAL_BATCH
+        step = self.num_threads * batch
+        n_iter = (stop + step - 1) // step
+        for it in cutlass.range(0, n_iter, 1, unroll=1):
+            base = it * step
+            if const_expr(not from_smem):
+                # from the row's end: the first pass read it last, so L2 still holds it
+                base = (n_iter - 1 - it) * step
+            vals = self._load_batch(row, row_s, base, nvec, tidx, from_smem, batch)
+            for j in cutlass.range_constexpr(batch):
                 v = base + j * self.num_threads + tidx
                 for i in cutlass.range_constexpr(VEC):
+                    e = v * VEC + i
                     if const_expr(from_smem):
-                        u = vals[j][i]  # sentinels never match
-                        ok = ((u ^ thr_u) >> prev_shift) == 0
+                        u = vals[j][i]  # sentinels (digit 0) never reach a bin of a float
+                        d = (u >> shift) & mask
+                        hit = d == top_bin
+                        up = use_bits & (d > top_bin)
                     else:
                         u = order_key(vals[j][i]) ^ Int32(INT_MIN)
-                        ok = (v * VEC + i < n) & (((u ^ thr_u) >> prev_shift) == 0)
-                    if ok:
+                        d = (u >> shift) & mask
+                        ok = e < n
+                        hit = ok & (d == top_bin)
+                        up = use_bits & ok & (d > top_bin)
+                    if hit:
                         pos = atom_shared_inc(count_s)
-                        st_shared_b32(cand_s + pos * 4, u)
+                        st_shared_v2(cand_s + pos * 8, u, e)
+                    if up:
+                        red_shared_or(sel_s + (e >> 5) * 4, Int32(1) << (e & 31))
 
     @cute.jit
     def _cand_hist(self, sCand, hist, n_cand, thr_u, level: cutlass.Constexpr, tidx):
@@ -383,12 +486,94 @@ class TopkSelectSm90:
         shift, mask = DIGITS[level]
         prev_shift = DIGITS[level - 1][0]
         for i in cutlass.range(tidx, n_cand, self.num_threads, unroll=1):
-            u = sCand[i]
+            u = sCand[2 * i]
             if const_expr(level == 1):
                 red_shared_add_1(hist + ((u >> shift) & mask) * 4)
             else:
                 if ((u ^ thr_u) >> prev_shift) == 0:
                     red_shared_add_1(hist + ((u >> shift) & mask) * 4)
+
+    @cute.jit
+    def _cand_mark(self, sCand, n_cand, thr, shift, take_ties, sel_s, eq_s, tidx):
+        """Sets the selected bits of the candidates above the threshold, and of those at it:
+        in the selected bitmap when all of them are taken (``take_ties``), else in the tied
+        bitmap at ``eq_s``."""
+        for i in cutlass.range(tidx, n_cand, self.num_threads, unroll=1):
+            key = sCand[2 * i] ^ Int32(INT_MIN)
+            e = sCand[2 * i + 1]
+            k = key >> shift
+            bit = Int32(1) << (e & 31)
+            if k > thr:
+                red_shared_or(sel_s + (e >> 5) * 4, bit)
+            if k == thr:
+                if take_ties:
+                    red_shared_or(sel_s + (e >> 5) * 4, bit)
+                else:
+                    red_shared_or(eq_s + (e >> 5) * 4, bit)
+
+    @cute.jit
+    def _word_range(self, n_words, tidx):
+        """This thread's contiguous words of a bitmap: ``[w0, w1)``."""
+        per = (n_words + self.num_threads - 1) // self.num_threads
+        w0 = cutlass.min(tidx * per, n_words)
+        return w0, cutlass.min(w0 + per, n_words)
+
+    @cute.jit
+    def _tie_mark(self, sel_s, eq_s, n_words, need, sWarp, tidx, lane, warp):
+        """Moves the first ``need`` tied elements, in index order, into the selected bitmap:
+        a block scan of the threads' tied counts ranks each thread's first tie."""
+        w0, w1 = self._word_range(n_words, tidx)
+        c = Int32(0)
+        for w in cutlass.range(w0, w1, 1, unroll=1):
+            c = c + popc(ld_shared_b32(eq_s + w * 4))
+        rank, _ = self._block_scan(c, sWarp, 1, lane, warp)
+        for w in cutlass.range(w0, w1, 1, unroll=1):
+            ties = ld_shared_b32(eq_s + w * 4)
+            take = Int32(0)
+            while (ties != 0) & (rank < need):
+                low = ties & (Int32(0) - ties)
+                take = take | low
+                ties = ties ^ low
+                rank = rank + 1
+            if take != 0:
+                st_shared_b32(sel_s + w * 4, ld_shared_b32(sel_s + w * 4) | take)
+
+    @cute.jit
+    def _emit(self, sel_s, n_words, topk, stage_s, row, row_s, idx_row, score_row, sWarp, tidx,
+              lane, warp, from_smem: cutlass.Constexpr):
+        """Writes the selected elements in ascending index order: a block scan of the threads'
+        set-bit counts gives each thread its first slot, then it walks its words' bits. Staged:
+        ``cand_elems`` slots at a time go to shared memory (the candidates' buffer, free by
+        now), then out in coalesced rows."""
+        w0, w1 = self._word_range(n_words, tidx)
+        c = Int32(0)
+        for w in cutlass.range(w0, w1, 1, unroll=1):
+            c = c + popc(ld_shared_b32(sel_s + w * 4))
+        first, _ = self._block_scan(c, sWarp, 0, lane, warp)
+        cap = self.cand_elems
+        for s0 in cutlass.range(0, topk, cap, unroll=1):
+            slot = first
+            for w in cutlass.range(w0, w1, 1, unroll=1):
+                bits = ld_shared_b32(sel_s + w * 4)
+                while bits != 0:
+                    low = bits & (Int32(0) - bits)
+                    e = w * 32 + popc(low - 1)
+                    bits = bits ^ low
+                    if (slot >= s0) & (slot < s0 + cap):
+                        if const_expr(from_smem):
+                            key = ld_shared_b32(row_s + e * 4) ^ Int32(INT_MIN)
+                            val = self._score(key, key, row, e, True)
+                        else:
+                            val = ld_global_nc_b32(row + Int64(e) * 4)
+                        st_shared_v2(stage_s + (slot - s0) * 8, e, val)
+                    slot = slot + 1
+            cute.arch.sync_threads()
+            for j in cutlass.range(tidx, cutlass.min(cap, topk - s0), self.num_threads, unroll=1):
+                pair = stage_s + j * 8
+                off = Int64(s0 + j) * 4
+                st_global_b32(idx_row + off, ld_shared_b32(pair))
+                st_global_b32(score_row + off, ld_shared_b32(pair + 4))
+            cute.arch.sync_threads()
 
     @cute.jit
     def _hist_pass(self, row, row_s, hist, n, nvec, npv, thr_u, level: cutlass.Constexpr, tidx,
@@ -399,9 +584,10 @@ class TopkSelectSm90:
         shift, mask = DIGITS[level]
         prev_shift = DIGITS[level - 1][0]
         stop = npv if const_expr(from_smem) else nvec
-        for base in cutlass.range(0, stop, self.num_threads * BATCH, unroll=1):
-            vals = self._load_batch(row, row_s, base, nvec, tidx, from_smem)
-            for j in cutlass.range_constexpr(BATCH):
+        batch = BATCH if const_expr(from_smem) else GLOBAL_BATCH
+        for base in cutlass.range(0, stop, self.num_threads * batch, unroll=1):
+            vals = self._load_batch(row, row_s, base, nvec, tidx, from_smem, batch)
+            for j in cutlass.range_constexpr(batch):
                 v = base + j * self.num_threads + tidx
                 for i in cutlass.range_constexpr(VEC):
                     if const_expr(from_smem):

@@ -13,10 +13,10 @@ from .host import compile_for_arch
 
 _CACHE = KernelCache("mla_sm90_topk_select")
 
-NUM_THREADS = 256  # threads per CTA (one CTA per row)
-CACHE_ELEMS = 8192  # rows up to this length keep their radix keys in shared memory
-CAND_ELEMS = 1024  # capacity of the candidate buffer of the lower digits' passes
-MIN_BLOCKS = 4  # CTAs per SM the register allocation leaves room for
+NUM_THREADS = 512  # threads per CTA (one CTA per row)
+CACHE_ELEMS = 16384  # rows up to this length keep their radix keys in shared memory
+CAND_ELEMS = 2048  # capacity of the candidate buffer (key, index pairs)
+MIN_BLOCKS = 2  # CTAs per SM the register allocation leaves room for
 
 
 def compile_key(num_threads: int = NUM_THREADS, cache_elems: int = CACHE_ELEMS,
