@@ -1,5 +1,6 @@
-"""DTensor sharding rules for the leaf ops ``sparse_mla_fwd``, ``sparse_mla_bwd`` and
-``indexer_target``.
+"""DTensor sharding rules for the leaf ops ``sparse_mla_fwd``, ``sparse_mla_bwd``,
+``indexer_target`` and the lightning indexer's ``lightning_indexer``,
+``lightning_indexer_scores`` and ``lightning_indexer_scores_bwd``.
 
 With these rules DTensor inputs flow through :func:`mla_inductor.sparse_mla` (eager and
 ``torch.compile``) without the caller writing a collective: the entry op decomposes (it is
@@ -39,6 +40,25 @@ The batched layout ``[B, T, ...]`` is flattened by :mod:`mla_inductor.layout` on
 index offsets, so the tokens rule applies and kv is all-gathered over the batch shards (correct,
 not communication-free; for data parallelism the op is better run on local tensors, as under
 FSDP2 or DDP).
+
+The lightning indexer's ops keep the batched layout (``q [B, T, H, D]``, ``k [B, S, D]``,
+``weights [B, T, H]``, ``q_positions``/``indices``/``scores [B, T, .]``), so their rules shard
+tokens (dim 1, k replicated) or the batch (dim 0, k too: communication-free) and need no offsets:
+
+============  ===========================================  ====================================
+rule          inputs                                       outputs
+============  ===========================================  ====================================
+tokens        q, weights, q_positions, indices, dscores    indices, scores, dq, dweights
+              Shard(1); k R                                Shard(1); dk Partial
+batch         everything Shard(0)                          everything Shard(0)
+heads         q Shard(2), weights Shard(2); k, indices,    scores Partial; dq, dweights
+(scores)      dscores R                                    Shard(2); dk Partial
+replicated    everything R                                 everything R
+============  ===========================================  ====================================
+
+The heads rule is the scores' only (a sum over heads: each shard's partial sum is ``Partial``);
+the selection's top-k of that sum has none, so a q sharded on heads is gathered for
+``lightning_indexer``.
 """
 
 from __future__ import annotations
@@ -142,3 +162,29 @@ def register() -> None:
                       row if o_lo.ndim == 3 else R]
             found.append((outputs, inputs))
         return found
+
+    _register_lightning(register_sharding, R, Shard, Partial)
+
+
+def _register_lightning(register_sharding, R, Shard, Partial) -> None:
+    """The lightning indexer ops' rules (module docstring)."""
+    from . import lightning_indexer, lightning_scores  # noqa: F401  (define the ops)
+
+    tokens, batch, heads = Shard(1), Shard(0), Shard(2)
+
+    @register_sharding(torch.ops.mla_inductor.lightning_indexer.default)
+    def _select(q, k, weights, q_positions, topk):
+        return [([row, row], [row, k_p, row, None if q_positions is None else row])
+                for row, k_p in ((tokens, R), (batch, batch), (R, R))]
+
+    @register_sharding(torch.ops.mla_inductor.lightning_indexer_scores.default)
+    def _scores(q, k, weights, indices):
+        return [([tokens], [tokens, R, tokens, tokens]), ([batch], [batch] * 4),
+                ([Partial()], [heads, R, heads, R]), ([R], [R] * 4)]
+
+    @register_sharding(torch.ops.mla_inductor.lightning_indexer_scores_bwd.default)
+    def _scores_bwd(dscores, q, k, weights, indices, deterministic=False):
+        return [([tokens, Partial(), tokens], [tokens, tokens, R, tokens, tokens]),
+                ([batch] * 3, [batch] * 5),
+                ([heads, Partial(), heads], [R, heads, R, heads, R]),
+                ([R] * 3, [R] * 5)]

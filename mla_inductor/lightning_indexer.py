@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, lowering
+from . import backends, layout, lowering
 from .lightning_scores import lightning_indexer_scores_bwd
 from .validation import check_lightning_inputs, check_lightning_layout
 
@@ -114,12 +114,9 @@ _lib.define(
 
 def _positions(q_positions: Optional[Tensor], B, T, S, like: Tensor) -> Tensor:
     """``[B, T]`` int32 positions: the given ones (``[T]`` or ``[B, T]``) clamped to ``[-1, S]``
-    (so that an int64 position cannot wrap in int32), else ``S - T + t``."""
-    if q_positions is None:
-        pos = torch.arange(T, device=like.device, dtype=torch.int64) + (S - T)
-    else:
-        pos = q_positions.to(torch.int64).clamp(-1, S)
-    return pos.expand(B, T).to(torch.int32)
+    (so that an int64 position cannot wrap in int32), else ``S - T + t`` (on ``like``'s mesh
+    for a DTensor ``like``: :func:`mla_inductor.layout.token_positions`)."""
+    return layout.token_positions(T, S, like, q_positions).expand(B, T).to(torch.int32)
 
 
 def _lightning_indexer_entry(q, k, weights, q_positions, causal, topk):

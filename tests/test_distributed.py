@@ -21,15 +21,15 @@ One set of checks, two variants (:class:`Setup`):
   another order: :func:`_assert_d_sink`; training losses: :func:`_assert_losses`.
 
 One group per variant and world size runs every check (spawning is slow;
-:func:`mla_inductor.bench.ranks.spawn`) and returns, per rank, the error of each check or
-``None``; the tests below read them. Checks: each placement of the sharding rules (forward values
-out, lse, max_logits and the gradients of q, kv and the sink, with a loss that reaches lse);
-redistributions (kv sharded on tokens, q sharded on d_qk); uneven token shards; (4 ranks) a 2 x 2
-mesh sharding tokens and heads at once; a 2-layer DSA model
-(:class:`mla_inductor.bench.dist_train.Model`) trained 3 steps under ``parallelize_module``
-(tensor parallel over heads) and under ``fully_shard`` (FSDP2), losses equal to one process's;
-the indexer target's rules; and (2 ranks) ``torch.compile`` with ``fullgraph=True`` on DTensor
-inputs, forward and backward. The GPU variant runs the checks of :data:`GPU_CHECKS`.
+:func:`mla_inductor.bench.ranks.spawn`) and returns, per rank, the error of each check or ``None``;
+the tests below read them. Checks: each placement of the sharding rules (forward values out, lse,
+max_logits and the gradients of q, kv and the sink, with a loss that reaches lse); redistributions
+(kv sharded on tokens, q sharded on d_qk); uneven token shards; (4 ranks) a 2 x 2 mesh sharding
+tokens and heads at once; a 2-layer DSA model (:class:`mla_inductor.bench.dist_train.Model`) trained
+3 steps under ``parallelize_module`` (tensor parallel over heads) and under ``fully_shard`` (FSDP2),
+losses equal to one process's; the indexer target's rules; the lightning indexer ops' rules (CPU
+only); and (2 ranks) ``torch.compile`` with ``fullgraph=True`` on DTensor inputs, forward and
+backward. The GPU variant runs the checks of :data:`GPU_CHECKS`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from conftest import kernel_available
-from mla_inductor import backends, indexer_target, sparse_mla
+from mla_inductor import (backends, indexer_target, lightning_indexer, lightning_indexer_scores,
+                          sparse_mla)
 from mla_inductor.bench.dist_train import Model, Widths, parallelize_heads, train
 from mla_inductor.bench.ranks import spawn
 
@@ -81,7 +82,7 @@ NCCL = Setup("cuda", "sm90", "bfloat16", T=256, H=128, d_qk=576, d_v=512, S=512,
              batch=2, dim=256, batched=False, timeout_s=900)
 PLACEMENTS = ("replicated", "heads", "tokens", "tokens_kv_sharded", "batch", "q_sharded_on_d_qk",
               "tokens_uneven")
-CHECKS = (*PLACEMENTS, "tp_training", "fsdp2_training", "indexer_target")
+CHECKS = (*PLACEMENTS, "tp_training", "fsdp2_training", "indexer_target", "lightning")
 GPU_CHECKS = ("replicated", "heads", "tokens", "tokens_kv_sharded", "tp_training",
               "fsdp2_training", "indexer_target", "compile")
 OUTPUTS = ("out", "lse", "max_logits", "dq", "dkv", "d_sink")
@@ -263,6 +264,51 @@ def _check_indexer_target(mesh, setup: Setup) -> None:
                              causal=True, q_positions=distribute_tensor(q_positions, mesh, [token]),
                              attn_sink=distribute_tensor(sink, mesh, [sink_p]))
         _same(setup, got.full_tensor(), expected, name)
+
+
+def _lightning(q, k, w, q_positions, topk):
+    """The selection (given positions, and the default ones) and a loss through its scores and
+    ``lightning_indexer_scores`` at its slots: ``([indices, default-position indices, scores,
+    dq, dk, dweights]`` with DTensors gathered, the collectives the first selection issued)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    q, k, w = (t.detach().requires_grad_() for t in (q, k, w))
+    with CommDebugMode() as comms:
+        indices, scores = lightning_indexer(q, k, w, topk, causal=True, q_positions=q_positions,
+                                            return_scores=True)
+    default = lightning_indexer(q.detach(), k.detach(), w.detach(), topk, causal=True)
+    (scores.square().sum() + lightning_indexer_scores(q, k, w, indices).sum()).backward()
+    found = [indices, default, scores.detach(), q.grad, k.grad, w.grad]
+    return ([t.full_tensor() if hasattr(t, "full_tensor") else t for t in found],
+            comms.get_total_counts())
+
+
+def _check_lightning(mesh, setup: Setup) -> None:
+    """The lightning indexer ops, batched, causal, on the tokens, batch, heads (the scores'
+    rule; the selection gathers q's heads) and replicated placements: the same indices as one
+    process, scores and gradients equal to its to float32's tolerance; on tokens and batch the
+    selection runs on the shards with no collective."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    g = torch.Generator().manual_seed(1)
+    B = mesh.size()  # one batch element per rank under the batch rule
+    T, S, H, D, topk = setup.T, setup.S, setup.H, 16, setup.topk
+    full = (torch.randn(B, T, H, D, generator=g), torch.randn(B, S, D, generator=g),
+            torch.randn(B, T, H, generator=g),
+            torch.randint(S // 2, S, (B, T), generator=g, dtype=torch.int32))
+    full = [t.to(setup.device_type) for t in full]
+    expected, _ = _lightning(*full, topk)
+    R = Replicate()
+    for name, placements in {"tokens": (Shard(1), R, Shard(1), Shard(1)),
+                             "batch": (Shard(0),) * 4, "heads": (Shard(2), R, Shard(2), R),
+                             "replicated": (R,) * 4}.items():
+        got, comms = _lightning(*[distribute_tensor(t, mesh, [p]) for t, p in
+                                  zip(full, placements)], topk)
+        assert name not in ("tokens", "batch") or comms == 0, f"{name}: {comms} collectives"
+        for what, a, b in zip(("indices", "default-position indices"), got[:2], expected[:2]):
+            assert torch.equal(a, b), f"{name}: {what}"
+        for what, a, b in zip(("scores", "dq", "dk", "dweights"), got[2:], expected[2:]):
+            torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {what}: {m}")
 
 
 def _check_mesh_2d(mesh, setup: Setup) -> None:
