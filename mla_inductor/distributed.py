@@ -1,6 +1,7 @@
 """DTensor sharding rules for the leaf ops ``sparse_mla_fwd``, ``sparse_mla_bwd``,
 ``indexer_target`` and the lightning indexer's ``lightning_indexer``,
-``lightning_indexer_scores`` and ``lightning_indexer_scores_bwd``.
+``lightning_indexer_scores`` and ``lightning_indexer_scores_bwd`` (an integration registers its
+own ops' rules through :func:`register_when_dtensor_imported`).
 
 With these rules DTensor inputs flow through :func:`mla_inductor.sparse_mla` (eager and
 ``torch.compile``) without the caller writing a collective: the entry op decomposes (it is
@@ -70,23 +71,34 @@ import sys
 import torch
 
 _DTENSOR = "torch.distributed.tensor"
+_pending: list = []  # registrations waiting for the DTensor import
 
 
-def register_when_dtensor_imported() -> None:
-    """Registers the rules (:func:`register`) now if ``torch.distributed.tensor`` is imported,
-    else right after it is first imported. A DTensor cannot exist before that import, so the
-    rules are always in place for the first DTensor call, and ``import mla_inductor`` does not
-    pay for importing DTensor (and sympy with it: 0.8 s of a 0.9 s import on a CPU machine,
-    about 2 s on an H200 host) in processes that never use it."""
+def register_when_dtensor_imported(registration=None) -> None:
+    """Calls ``registration`` (default :func:`register`, this module's rules) now if
+    ``torch.distributed.tensor`` is imported, else right after it is first imported. A DTensor
+    cannot exist before that import, so the rules are always in place for the first DTensor
+    call, and ``import mla_inductor`` does not pay for importing DTensor (and sympy with it: 0.8 s
+    of a 0.9 s import on a CPU machine, about 2 s on an H200 host) in processes that never use
+    it. Call only where ``torch.distributed.is_available()``."""
+    registration = register if registration is None else registration
     if _DTENSOR in sys.modules:
-        register()
-    elif not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        registration()
+        return
+    _pending.append(registration)
+    if not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegisterAfterImport())
 
 
+def _register_pending() -> None:
+    while _pending:
+        _pending.pop(0)()
+
+
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Import hook: finds ``torch.distributed.tensor`` as the path finder would and calls
-    :func:`register` once its module has executed; removes itself from ``sys.meta_path`` then."""
+    """Import hook: finds ``torch.distributed.tensor`` as the path finder would and calls the
+    pending registrations once its module has executed; removes itself from ``sys.meta_path``
+    then."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname != _DTENSOR:
@@ -104,7 +116,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
                 loader.exec_module(module)
                 if finder in sys.meta_path:
                     sys.meta_path.remove(finder)
-                register()
+                _register_pending()
 
         spec.loader = _Loader()
         return spec

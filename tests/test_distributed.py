@@ -82,7 +82,8 @@ NCCL = Setup("cuda", "sm90", "bfloat16", T=256, H=128, d_qk=576, d_v=512, S=512,
              batch=2, dim=256, batched=False, timeout_s=900)
 PLACEMENTS = ("replicated", "heads", "tokens", "tokens_kv_sharded", "batch", "q_sharded_on_d_qk",
               "tokens_uneven")
-CHECKS = (*PLACEMENTS, "tp_training", "fsdp2_training", "indexer_target", "lightning")
+CHECKS = (*PLACEMENTS, "tp_training", "fsdp2_training", "indexer_target", "lightning",
+          "head_matmul")
 GPU_CHECKS = ("replicated", "heads", "tokens", "tokens_kv_sharded", "tp_training",
               "fsdp2_training", "indexer_target", "compile")
 OUTPUTS = ("out", "lse", "max_logits", "dq", "dkv", "d_sink")
@@ -309,6 +310,46 @@ def _check_lightning(mesh, setup: Setup) -> None:
             assert torch.equal(a, b), f"{name}: {what}"
         for what, a, b in zip(("scores", "dq", "dk", "dweights"), got[2:], expected[2:]):
             torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {what}: {m}")
+
+
+def _check_head_matmul(mesh, setup: Setup) -> None:
+    """The transformers integration's head_matmul, with and without a tail, on heads (w sharded
+    on its heads) and on tokens: the product and the gradients of x, w and tail equal to one
+    process's (float32's tolerance), with no collective in the forward."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from mla_inductor.integrations.head_matmul import head_matmul
+
+    g = torch.Generator().manual_seed(2)
+    N, H, k, m, e = 2 * mesh.size(), 2 * mesh.size(), 6, 5, 3
+    full = [torch.randn(N, H, k, generator=g), torch.randn(H, k, m, generator=g),
+            torch.randn(N, H, e, generator=g)]
+    full = [t.to(setup.device_type) for t in full]
+
+    def run(x, w, tail):
+        x, w, tail = (None if t is None else t.detach().requires_grad_() for t in (x, w, tail))
+        with CommDebugMode() as comms:
+            y = head_matmul(x, w, tail)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y.device)
+        if hasattr(y, "device_mesh"):
+            dy = distribute_tensor(dy, mesh, y.placements)
+        (y * dy).sum().backward()
+        found = [y.detach(), x.grad, w.grad] + ([] if tail is None else [tail.grad])
+        return ([t.full_tensor() if hasattr(t, "full_tensor") else t for t in found],
+                comms.get_total_counts())
+
+    R = Replicate()
+    for with_tail in (True, False):
+        args = full if with_tail else full[:2] + [None]
+        expected, _ = run(*args)
+        for name, placements in {"heads": (Shard(1), Shard(0), Shard(1)),
+                                 "tokens": (Shard(0), R, Shard(0))}.items():
+            got, comms = run(*[None if t is None else distribute_tensor(t, mesh, [p])
+                               for t, p in zip(args, placements)])
+            assert comms == 0, f"{name}: {comms} collectives"
+            for a, b in zip(got, expected):
+                torch.testing.assert_close(a, b, msg=lambda m: f"{name}, tail {with_tail}: {m}")
 
 
 def _check_mesh_2d(mesh, setup: Setup) -> None:

@@ -23,6 +23,12 @@ of 3): the layer's forward + backward took 121.2 ms instead of 130.1 at T = 1638
 of 268.6 at T = 32768 (the kernels outside the attention, the indexer and the GEMMs: 7.5 ms instead
 of 18.8, 15.2 instead of 31.5; peak memory 2.0 and 4.0 GiB lower), and the two products with their
 three gradients at N = 16384 were bitwise those of the einsum + cat.
+
+DTensor: the op shards the heads (x, tail and y ``Shard(1)``, w ``Shard(0)``: the
+tensor-parallel layout of the absorbed projections) or the tokens (x, tail and y ``Shard(0)``, w
+replicated), or runs replicated; its backward is ``head_matmul`` again and ``torch.bmm``, so the
+gradients follow (dw is ``Partial`` under the tokens rule). Registered through
+:func:`mla_inductor.distributed.register_when_dtensor_imported`.
 """
 
 from __future__ import annotations
@@ -85,3 +91,21 @@ def _backward(ctx, dy):
 
 
 head_matmul.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _register_sharding() -> None:
+    """head_matmul's DTensor rules (module docstring): per mesh dimension, (outputs, inputs)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.mla_inductor.head_matmul.default)
+    def _rules(x, w, tail):
+        return [([y], [y, w_p, None if tail is None else y])
+                for y, w_p in ((Shard(1), Shard(0)), (Shard(0), Replicate()),
+                               (Replicate(), Replicate()))]
+
+
+if torch.distributed.is_available():
+    from .. import distributed
+
+    distributed.register_when_dtensor_imported(_register_sharding)
