@@ -158,10 +158,8 @@ def st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None):
 @dsl_user_op
 def atom_shared_inc(addr: Int32, *, loc=None, ip=None) -> Int32:
     """``atom.shared.add.u32 [addr], 1``: the previous value."""
-    return Int32(llvm.inline_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)],
-                                 "atom.shared.add.u32 $0, [$1], 1;", "=r,r,~{memory}",
-                                 has_side_effects=True, is_align_stack=False,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return Int32(_asm("atom.shared.add.u32 $0, [$1], 1;", "=r,r,~{memory}", [Int32(addr)],
+                      T.i32(), loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -187,10 +185,8 @@ def st_shared_v2(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None):
 @dsl_user_op
 def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
     """``ld.shared.b32``."""
-    return Int32(llvm.inline_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)],
-                                 "ld.shared.b32 $0, [$1];", "=r,r,~{memory}",
-                                 has_side_effects=True, is_align_stack=False,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return Int32(_asm("ld.shared.b32 $0, [$1];", "=r,r,~{memory}", [Int32(addr)], T.i32(),
+                      loc=loc, ip=ip))
 
 
 @dsl_user_op
