@@ -107,8 +107,7 @@ from .ptx import _asm, ld_global_nc_b32, st_global_b32
 BINS = 2048  # histogram bins (the widest digit, 11 bits)
 DIGITS = ((21, 0x7FF), (10, 0x7FF), (0, 0x3FF))  # (shift, mask) of the three digits
 VEC = 4  # elements per 16-byte vector
-BATCH = 4  # vectors per thread in flight in a pass over a cached row
-GLOBAL_BATCH = 4  # vectors per thread in flight in a pass that reads global memory
+BATCH = 4  # vectors per thread in flight in a pass
 PER_THREAD = 16  # consecutive elements per thread in a compaction tile
 INT_MIN = -(2**31)
 SMEM_LIMIT = 227 * 1024
@@ -404,12 +403,11 @@ class TopkSelectSm90:
                                   score_row, tidx, lane, warp, False)
 
     @cute.jit
-    def _load_batch(self, row, row_s, base, nvec, tidx, from_smem: cutlass.Constexpr,
-                    batch: cutlass.Constexpr):
-        """``batch`` vectors ``base + j * num_threads + tidx``: cached radix keys (padded, never
+    def _load_batch(self, row, row_s, base, nvec, tidx, from_smem: cutlass.Constexpr):
+        """``BATCH`` vectors ``base + j * num_threads + tidx``: cached radix keys (padded, never
         past the cache) or the row's float bits (clamped to the row's last vector)."""
         vals = []
-        for j in cutlass.range_constexpr(batch):
+        for j in cutlass.range_constexpr(BATCH):
             if const_expr(from_smem):
                 vals.append(ld_shared_v4(row_s + (base + j * self.num_threads + tidx) * (VEC * 4)))
             else:
@@ -422,10 +420,9 @@ class TopkSelectSm90:
         """Histogram of the top digit of every element, read from global memory; with ``store``
         the radix keys ``u`` go to the row cache, 0 (below every key) past the row's end."""
         shift, mask = DIGITS[0]
-        batch = BATCH if const_expr(store) else GLOBAL_BATCH  # a cached row fills whole tiles
-        for base in cutlass.range(0, nvec, self.num_threads * batch, unroll=1):
-            vals = self._load_batch(row, row_s, base, nvec, tidx, False, batch)
-            for j in cutlass.range_constexpr(batch):
+        for base in cutlass.range(0, nvec, self.num_threads * BATCH, unroll=1):
+            vals = self._load_batch(row, row_s, base, nvec, tidx, False)
+            for j in cutlass.range_constexpr(BATCH):
                 v = base + j * self.num_threads + tidx
                 us = []
                 for i in cutlass.range_constexpr(VEC):
@@ -445,16 +442,15 @@ class TopkSelectSm90:
         is above it in the selected bitmap at ``sel_s``."""
         shift, mask = DIGITS[0]
         stop = npv if const_expr(from_smem) else nvec
-        batch = BATCH if const_expr(from_smem) else GLOBAL_BATCH
-        step = self.num_threads * batch
+        step = self.num_threads * BATCH
         n_iter = (stop + step - 1) // step
         for it in cutlass.range(0, n_iter, 1, unroll=1):
             base = it * step
             if const_expr(not from_smem):
                 # from the row's end: the first pass read it last, so L2 still holds it
                 base = (n_iter - 1 - it) * step
-            vals = self._load_batch(row, row_s, base, nvec, tidx, from_smem, batch)
-            for j in cutlass.range_constexpr(batch):
+            vals = self._load_batch(row, row_s, base, nvec, tidx, from_smem)
+            for j in cutlass.range_constexpr(BATCH):
                 v = base + j * self.num_threads + tidx
                 for i in cutlass.range_constexpr(VEC):
                     e = v * VEC + i
@@ -580,10 +576,9 @@ class TopkSelectSm90:
         shift, mask = DIGITS[level]
         prev_shift = DIGITS[level - 1][0]
         stop = npv if const_expr(from_smem) else nvec
-        batch = BATCH if const_expr(from_smem) else GLOBAL_BATCH
-        for base in cutlass.range(0, stop, self.num_threads * batch, unroll=1):
-            vals = self._load_batch(row, row_s, base, nvec, tidx, from_smem, batch)
-            for j in cutlass.range_constexpr(batch):
+        for base in cutlass.range(0, stop, self.num_threads * BATCH, unroll=1):
+            vals = self._load_batch(row, row_s, base, nvec, tidx, from_smem)
+            for j in cutlass.range_constexpr(BATCH):
                 v = base + j * self.num_threads + tidx
                 for i in cutlass.range_constexpr(VEC):
                     if const_expr(from_smem):
