@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import custom_ops, indexer  # noqa: F401  (register torch.ops.mla_inductor.*)
+from . import custom_ops, indexer_target  # noqa: F401  (register torch.ops.mla_inductor.*)
 from . import lightning_indexer as _lightning_ops  # noqa: F401  (registers its ops)
 from . import layout
 from . import lightning_scores  # noqa: F401  (registers torch.ops.mla_inductor.lightning_*)

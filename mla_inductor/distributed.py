@@ -128,7 +128,7 @@ def register() -> None:
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
-    from . import custom_ops, indexer  # noqa: F401  (define the ops)
+    from . import custom_ops, indexer_target  # noqa: F401  (define the ops)
 
     R = Replicate()
     # Per rule: the placement of a row tensor [T, H, ...] (q and its outputs), of a per-token

@@ -3,7 +3,7 @@
 What inductor does with our ops (torch 2.9 to 2.14):
 - The entry op ``sparse_mla`` never reaches inductor: AOTAutograd decomposes it (that is where the
   threshold policy runs), leaving ``sparse_mla_fwd`` / ``sparse_mla_bwd`` in the graphs (and
-  likewise ``indexer_target_entry`` leaves ``indexer_target``, :mod:`mla_inductor.indexer`, and
+  likewise ``indexer_target_entry`` leaves ``indexer_target``, :mod:`mla_inductor.indexer_target`, and
   ``lightning_indexer_scores_entry`` the scores op and its backward,
   :mod:`mla_inductor.lightning_scores`).
 - These ops carry ``torch.Tag.needs_contiguous_strides`` (a public tag, set in ``custom_ops.py``):

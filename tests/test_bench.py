@@ -210,8 +210,8 @@ def test_hf_tiny_layer_modes_agree(monkeypatch):
     pytest.importorskip("transformers")
     from mla_inductor.integrations import transformers as mla_hf
 
-    calls, op = [], mla_hf.sparse_mla
-    monkeypatch.setattr(mla_hf, "sparse_mla", lambda *a, **k: calls.append(1) or op(*a, **k))
+    calls, op = [], mla_hf.deepseek_v32.sparse_mla
+    monkeypatch.setattr(mla_hf.deepseek_v32, "sparse_mla", lambda *a, **k: calls.append(1) or op(*a, **k))
     # 8 index heads: with TINY's 2, many keys score exactly 0 and the op's tie rule (the smaller
     # key index) keeps other tied keys than transformers' torch.topk, without either being wrong
     attn, rotary = hf.build_layer(dict(hf.TINY, index_n_heads=8), 16, torch.device("cpu"),

@@ -319,7 +319,7 @@ def _check_head_matmul(mesh, setup: Setup) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from mla_inductor.integrations.head_matmul import head_matmul
+    from mla_inductor.integrations.transformers.head_matmul import head_matmul
 
     g = torch.Generator().manual_seed(2)
     N, H, k, m, e = 2 * mesh.size(), 2 * mesh.size(), 6, 5, 3

@@ -1,4 +1,4 @@
-"""torch.ops.mla_inductor.head_matmul (mla_inductor.integrations.head_matmul): the absorbed form's
+"""torch.ops.mla_inductor.head_matmul (mla_inductor.integrations.transformers.head_matmul): the absorbed form's
 per-head GEMMs written token-major, against the einsum + cat they replace (float64 values and
 gradients), without a copy of the query or of the gradients, under torch.compile and opcheck."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from mla_inductor.integrations.head_matmul import head_matmul
+from mla_inductor.integrations.transformers.head_matmul import head_matmul
 
 N, H, NOPE, ROPE, RANK, V = 24, 3, 8, 4, 16, 6
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mla_inductor.integrations import transformers as hf
-from mla_inductor.integrations.transformers_indexer import Visibility
+from mla_inductor.integrations.transformers.visibility import Visibility
 from mla_inductor.kernels import reference_lightning
 from transformers import (
     DeepseekV32Config,
@@ -214,13 +214,13 @@ def test_greedy_generation_with_cache(name, cache, chunked, monkeypatch):
                   pad_token_id=0, cache_implementation=cache)
     with torch.no_grad():
         ref = model.generate(ids, **kwargs)
-        calls, op = [], hf.sparse_mla
+        calls, op = [], hf.deepseek_v32.sparse_mla
 
         def counted(q, *args, **kwargs):
             calls.append(q.shape[1])
             return op(q, *args, **kwargs)
 
-        monkeypatch.setattr(hf, "sparse_mla", counted)
+        monkeypatch.setattr(hf.deepseek_v32, "sparse_mla", counted)
         hf.apply(model)
         out = model.generate(ids, **kwargs)
     assert out.shape == (B, 48)
@@ -295,7 +295,7 @@ def test_cache_also_under_its_older_name_past_key_values():
         runs.append(outs)
     assert [n for _, n in runs[0]] == [24, 25]
     assert all(torch.equal(a, b) and m == n for (a, m), (b, n) in zip(*runs))
-    with pytest.raises(RuntimeError, match="^mla_inductor: the switched DSA attention got both"):
+    with pytest.raises(RuntimeError, match="^mla_inductor: the switched attention got both"):
         attn(x, rope, seen, cache=DynamicCache(config=model.config),
              past_key_values=DynamicCache(config=model.config))
 

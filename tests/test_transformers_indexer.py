@@ -1,4 +1,4 @@
-"""mla_inductor.integrations.transformers_indexer: the indexer's top-k on the lightning_indexer op
+"""mla_inductor.integrations.transformers.indexer: the indexer's top-k on the lightning_indexer op
 against a float64 computation of transformers 5.24's ``DeepseekV32Indexer`` / ``GlmMoeDsaIndexer``
 definition (from a float64 copy of the same module's submodules and the model's RoPE function),
 tiny random-init configs, float32, CPU.
@@ -9,7 +9,7 @@ by what stays true (:func:`_problems`): ``n = min(index_topk, keys seen)`` seen 
 key index, then -1; no selected key scores below the float64 n-th largest, and no key left out
 above it, beyond a tight tolerance. transformers' own indices pass the same check (brought to
 that form), and a wrong RoPE fails it. Both kinds of visibility are checked: a dense mask (bool
-or additive) and :class:`~mla_inductor.integrations.transformers_indexer.Visibility` (positions
+or additive) and :class:`~mla_inductor.integrations.transformers.visibility.Visibility` (positions
 and a key padding mask), which must select exactly as the equivalent dense mask.
 """
 
@@ -24,7 +24,7 @@ from transformers import DeepseekV32Config, DynamicCache, GlmMoeDsaConfig
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 
-from mla_inductor.integrations import transformers_indexer as ti
+from mla_inductor.integrations.transformers import indexer as ti
 from mla_inductor.kernels import reference_lightning
 
 # The indexer's widths of tests/test_transformers.py's TINY (index_topk 16, 2 heads of 16, rope 8).

@@ -31,8 +31,8 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 
 from mla_inductor.integrations import transformers as hf
-from mla_inductor.integrations import transformers_indexer_loss as loss_mod
-from mla_inductor.integrations.transformers_indexer import Visibility
+from mla_inductor.integrations.transformers import loss as loss_mod
+from mla_inductor.integrations.transformers.visibility import Visibility
 from mla_inductor.kernels import reference_lightning_scores
 
 from conftest import rel_l2
@@ -70,19 +70,19 @@ def _record_calls(model, monkeypatch) -> list[dict]:
     ``position_embeddings``, the 4D ``attention_mask``) and the top-k its indexer computed (None
     for a shared-top-k layer)."""
     calls = []
-    for attn in (m for m in model.modules() if type(m) in hf._LAYERS):
+    for attn in (m for m in model.modules() if type(m) in hf.deepseek_v32.LAYERS):
         def pre(module, args, kwargs):
             calls.append(dict(attn=module, topk=None, **{
                 k: kwargs[k] for k in ("hidden_states", "position_embeddings", "attention_mask")}))
         attn.register_forward_pre_hook(pre, with_kwargs=True)
-    topk = hf.indexer_topk
+    topk = hf.deepseek_v32.indexer_topk
 
     def recorded(*args, **kwargs):
         out = topk(*args, **kwargs)
         calls[-1]["topk"] = out[0] if kwargs.get("scores") else out  # (indices, logits)
         return out
 
-    monkeypatch.setattr(hf, "indexer_topk", recorded)
+    monkeypatch.setattr(hf.deepseek_v32, "indexer_topk", recorded)
     return calls
 
 
@@ -212,8 +212,8 @@ def test_off_by_default_and_where_no_loss_is_computed(monkeypatch):
     ``apply(model)`` turns it off again and ``remove`` drops recorded losses."""
     model = _model("deepseek_v32")
     ids, mask = _batch()
-    calls, losses, op = [], [], hf.sparse_mla
-    monkeypatch.setattr(hf, "sparse_mla", lambda *a, **kw: calls.append(sorted(kw)) or op(*a, **kw))
+    calls, losses, op = [], [], hf.deepseek_v32.sparse_mla
+    monkeypatch.setattr(hf.deepseek_v32, "sparse_mla", lambda *a, **kw: calls.append(sorted(kw)) or op(*a, **kw))
     layer_loss = loss_mod.layer_loss
     monkeypatch.setattr(loss_mod, "layer_loss",
                         lambda *a, **kw: losses.append(1) or layer_loss(*a, **kw))
@@ -359,7 +359,7 @@ def test_the_backward_keeps_no_gathered_keys(monkeypatch):
         return t
 
     # the loss's saved tensors: its logits, from the selection with grad, and the rest
-    monkeypatch.setattr(hf, "indexer_topk", flagged(hf.indexer_topk))
+    monkeypatch.setattr(hf.deepseek_v32, "indexer_topk", flagged(hf.deepseek_v32.indexer_topk))
     monkeypatch.setattr(loss_mod, "layer_loss", flagged(loss_mod.layer_loss))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(ids, attention_mask=mask, use_cache=False)  # held: no storage reused

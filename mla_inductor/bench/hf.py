@@ -21,7 +21,7 @@ Two more rows time the layer's indexer alone (forward, under ``no_grad`` as in t
 same top-k definition): ``transformers' indexer alone (fwd)``, the module's own forward, which
 runs inside eager and sdpa (float32 scores ``[1, T, 64, T]`` and a float32 copy of its keys per
 query token, ``[T, 128, T]``: O(T²)), and ``lightning indexer alone (fwd)``,
-:func:`mla_inductor.integrations.transformers_indexer.indexer_topk`, which runs inside patched
+:func:`mla_inductor.integrations.transformers.indexer.indexer_topk`, which runs inside patched
 (the indexer's projections, then :func:`mla_inductor.lightning_indexer`, causal). The masks and
 the position embeddings are built as ``DeepseekV32Model`` builds them, once per T and mode,
 outside the timed calls (the model builds them once for all its layers).
@@ -128,7 +128,7 @@ def layer_mode(attn, mode: str):
 def visibility(inputs: Inputs):
     """What the patched model passes its layers in place of a mask at ``inputs`` (batch 1, no
     cache, no padding): each token's position, ``Visibility(positions [1, T], None)``."""
-    from mla_inductor.integrations.transformers_indexer import Visibility
+    from mla_inductor.integrations.transformers.visibility import Visibility
 
     return Visibility(inputs.position_ids, None)
 
@@ -258,7 +258,7 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
 
     from mla_inductor.integrations import transformers as mla_hf
-    from mla_inductor.integrations.transformers_indexer import indexer_topk
+    from mla_inductor.integrations.transformers.indexer import indexer_topk
 
     device = torch.device("cpu" if tiny else "cuda")
     dtype = torch.float32 if tiny else torch.bfloat16

@@ -43,7 +43,7 @@ sm_scale, d_v, deterministic=False) -> (dq, dkv, d_sink)``
 
 ``indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale) -> target``
 (optional)
-    The indexer's training target (:mod:`mla_inductor.indexer`): ``q``, ``kv``, ``indices``,
+    The indexer's training target (:mod:`mla_inductor.indexer_target`): ``q``, ``kv``, ``indices``,
     ``topk_length``, ``q_positions``, ``attn_sink``, ``sm_scale`` as the forward's, ``lse
     [T, H]`` float32 the forward's lse for them (the sink included). Returns contiguous
     ``target [T, topk]`` float32: ``sum_h exp(sm_scale * q[t, h] . k_j - lse[t, h])`` on the valid

@@ -16,7 +16,7 @@ weights (:func:`head_weights`).
 
 Which keys a token sees (:class:`Visibility`, or a dense mask):
 
-- positions and key padding (what :mod:`.transformers` makes the model build instead of its
+- positions and key padding (what :mod:`.visibility` makes the model build instead of its
   ``[B, 1, T, S]`` mask): the op's causal rule from each token's position, and, where the model
   has a 2D padding mask, the keys it hides moved out of reach: per batch element the seen keys
   are gathered to the front in their order (a stable partition, O(B·S·head_dim)) and each
@@ -24,7 +24,7 @@ Which keys a token sees (:class:`Visibility`, or a dense mask):
   the gathered keys is exactly the padding mask and the causal rule over the keys, its
   tie-breaking (smaller key index) included; the indices are mapped back;
 - a dense mask ``[B or 1, T, S]`` (the model's own, with packed sequences or an attention
-  implementation other than the one :mod:`.transformers` sets): the op's reference arithmetic
+  implementation other than the one :mod:`.visibility` sets): the op's reference arithmetic
   and selection with that visibility, on any device
   (:func:`mla_inductor.kernels.reference_lightning.lightning_indexer_seen`).
 
@@ -40,28 +40,19 @@ rounding (``tests/test_transformers_indexer.py``).
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
-from ..api import lightning_indexer, lightning_indexer_scores
-from ..kernels.reference_lightning import lightning_indexer_seen
-
-
-class Visibility(NamedTuple):
-    """Which keys each query token sees, without a ``[T, S]`` tensor: key ``s`` is seen by token
-    ``t`` of batch element ``b`` when ``s <= positions[t]`` (``positions [T]`` or ``[B, T]``,
-    integer, in key coordinates: the token's cache position) and, where ``keys`` is given
-    (``[B, S]`` bool, the model's 2D padding mask over the keys), ``keys[b, s]``."""
-
-    positions: Tensor
-    keys: Optional[Tensor]
+from ...api import lightning_indexer, lightning_indexer_scores
+from ...kernels.reference_lightning import lightning_indexer_seen
+from .visibility import Visibility, dense_seen
 
 
 def chunk_tokens(n_heads: int, S: int, score_bytes: int) -> int:
     """Query tokens per chunk (of the indexer loss's logits,
-    :mod:`.transformers_indexer_loss`): as many as keep ``[chunk, n_heads, S]`` float32 (4 bytes
+    :mod:`.loss`): as many as keep ``[chunk, n_heads, S]`` float32 (4 bytes
     each) within ``score_bytes``; at least 1."""
     return max(1, score_bytes // (n_heads * S * 4))
 
@@ -205,9 +196,8 @@ def _select(q: Tensor, k: Tensor, w: Tensor, topk: int, visibility: Visibility |
     weights (under a dense mask, the scores only when asked: the reference's selection forms
     none, so :func:`mla_inductor.lightning_indexer_scores` scores the selected slots)."""
     if not isinstance(visibility, Visibility):
-        seen = visibility if visibility.dtype == torch.bool else (
-            visibility > torch.finfo(visibility.dtype).min)
-        picked = lightning_indexer_seen(q.detach(), k.detach(), w.detach(), seen, topk)[0]
+        picked = lightning_indexer_seen(q.detach(), k.detach(), w.detach(), dense_seen(visibility),
+                                        topk)[0]
         return picked, lightning_indexer_scores(q, k, w, picked) if scores else None
     if visibility.keys is None:
         return lightning_indexer(q, k, w, topk, causal=True, q_positions=visibility.positions,

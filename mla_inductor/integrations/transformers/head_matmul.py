@@ -1,7 +1,7 @@
 """``torch.ops.mla_inductor.head_matmul``: the absorbed MLA form's per-head products, written
 token-major.
 
-The absorbed attention (:mod:`.transformers`) multiplies each head's rows by that head's matrix
+The absorbed attention (:mod:`.deepseek_v32`) multiplies each head's rows by that head's matrix
 twice: ``q_nope [N, H, qk_nope] @ W_uk[h]`` before the attention and ``o_lat [N, H,
 kv_lora_rank] @ W_uv[h]ᵀ`` after it, ``N`` tokens. As ``torch.einsum`` runs them, the batched GEMM
 writes head-major ``[H, N, .]`` and the caller's token-major ``[N, H, .]`` is a copy: ``cat((q_lat,
@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import lowering
+from ... import lowering
 
 
 @torch.library.custom_op("mla_inductor::head_matmul", mutates_args=())
@@ -106,6 +106,6 @@ def _register_sharding() -> None:
 
 
 if torch.distributed.is_available():
-    from .. import distributed
+    from ... import distributed
 
     distributed.register_when_dtensor_imported(_register_sharding)

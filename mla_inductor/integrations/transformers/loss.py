@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2's indexer loss for the DSA layers that :mod:`.transformers` switches (opt-in:
+"""DeepSeek-V3.2's indexer loss for the DSA layers that :mod:`.deepseek_v32` switches (opt-in:
 ``apply(model, indexer_loss=True)``; the sum a training loop adds: ``indexer_loss(model)``).
 
 transformers 5.24 runs the indexer under ``no_grad``: nothing trains it. DeepSeek-V3.2's sparse
@@ -15,9 +15,9 @@ forward:
   (:func:`mla_inductor.indexer_target`; the slots the model's mask hides are empty there);
 - ``logits[t, j] = sum_h w[t, h] · relu(softmax_scale · q_I[t, h] · k_I[indices[t, j]])``,
   ``w = weights_proj(x) · n_heads**-0.5``, from the indexer's own ``wq_b``, ``wk``, ``k_norm``,
-  ``weights_proj`` and RoPE (:mod:`.transformers_indexer`'s definitions), with autograd, on
+  ``weights_proj`` and RoPE (:mod:`.indexer`'s definitions), with autograd, on
   ``hidden_states.detach()`` and ``q_resid.detach()``: the selection's own scores
-  (:func:`.transformers_indexer.indexer_topk` with ``scores=True``, i.e.
+  (:func:`.indexer.indexer_topk` with ``scores=True``, i.e.
   :func:`mla_inductor.lightning_indexer` with ``return_scores``, ``softmax_scale`` folded into
   the weights), whose backward is the :func:`mla_inductor.lightning_indexer_scores` backward at
   the selected indices (under a dense mask, packed sequences or another attention
@@ -46,7 +46,7 @@ its keys up to three times (``[B, T, head_dim]``; with a padding mask the select
 keys too), its float32 head weights and O(B·T); the layer's ``hidden_states`` and ``q_resid``,
 which the model keeps for its own backward anyway, are read too (not the float32 copy of
 ``hidden_states`` that the float32 ``weights_proj`` reads:
-:func:`.transformers_indexer.head_weights`).
+:func:`.indexer.head_weights`).
 
 Transformers' gradient checkpointing (``model.activation_checkpointing_enable()``, non-reentrant
 by default) works: the recomputation inside the backward computes the loss again (its backward
@@ -62,8 +62,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from ..api import indexer_kl_loss, indexer_target, lightning_indexer_scores
-from .transformers_indexer import head_weights, index_keys, index_queries
+from ...api import indexer_kl_loss, indexer_target, lightning_indexer_scores
+from .indexer import head_weights, index_keys, index_queries
 
 # The attribute of an attention module holding its recorded losses (a list of 0-d float32
 # tensors); present exactly while the layer's indexer loss is enabled.
@@ -138,7 +138,7 @@ def layer_loss(attn: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: 
     Args:
         attn: the switched ``DeepseekV32Attention`` / ``GlmMoeDsaAttention``, with an indexer.
         rope: the RoPE its indexer applies (as for
-            :func:`~mla_inductor.integrations.transformers_indexer.indexer_topk`).
+            :func:`~mla_inductor.integrations.transformers.indexer.indexer_topk`).
         hidden_states: ``[B, T, hidden_size]``, the layer's input (read detached).
         q_resid: ``[B, T, q_lora_rank]``, ``q_a_layernorm(q_a_proj(hidden_states))`` (read
             detached).
@@ -148,7 +148,7 @@ def layer_loss(attn: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: 
             T, topk]`` int32 (-1 where the model's mask hides the key), and the ``lse [B, T, H]``
             float32 it returned (all read detached by the target).
         logits: ``[B, T, topk]`` float32, the indexer's logits of ``indices`` with their graph
-            (the selection's own scores, :func:`.transformers_indexer.indexer_topk` with
+            (the selection's own scores, :func:`.indexer.indexer_topk` with
             ``scores=True``), or None: then they are computed here (:func:`indexer_logits`).
 
     Raises:
