@@ -6,7 +6,9 @@ submodule the model's own; :func:`remove` and :func:`switched` undo it; :func:`i
 returns the indexer loss that ``apply(model, indexer_loss=True)`` records. One module per family:
 
 - :mod:`.deepseek_v32`: DeepSeek-V3.2 (``models/deepseek_v32``) and GLM-5
-  (``models/glm_moe_dsa``): DSA in the absorbed MLA form.
+  (``models/glm_moe_dsa``): DSA in the absorbed MLA form;
+- :mod:`.deepseek_v4`: DeepSeek-V4 (``models/deepseek_v4``): sliding-window, compressed sparse
+  (CSA) and heavily compressed (HCA) attention.
 
 The parts they share: :mod:`.visibility` (the attention implementation under which the model
 builds token positions and key padding instead of its dense mask), :mod:`.indexer` (a DSA
@@ -24,7 +26,7 @@ from typing import Iterator
 
 from torch import Tensor, nn
 
-from . import deepseek_v32
+from . import deepseek_v4, deepseek_v32
 from . import loss as _loss
 from .visibility import ATTN_IMPLEMENTATION, drop_visibility, use_visibility
 
@@ -32,7 +34,7 @@ __all__ = ["ATTN_IMPLEMENTATION", "apply", "indexer_loss", "remove", "switched"]
 
 # The model families: each module's LAYERS (the attention classes it switches), forward (the
 # switched layer's forward) and INDEXER_LOSS (whether apply's indexer_loss option covers it).
-_FAMILIES = (deepseek_v32,)
+_FAMILIES = (deepseek_v32, deepseek_v4)
 _FAMILY = {cls: family for family in _FAMILIES for cls in family.LAYERS}
 _FORWARDS = tuple(family.forward for family in _FAMILIES)
 
