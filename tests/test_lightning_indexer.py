@@ -70,26 +70,37 @@ def seen_mask(B, T, S, positions) -> torch.Tensor:
     return torch.arange(S) <= positions.long().cpu()[..., None]
 
 
-def scores_fp64(q, k, w):
+def scores_fp64(q, k, w, q_scale=None, k_scale=None):
     """``(score [B, T, S], bound [B, T])`` in float64: the definition, and the largest
-    ``sum_h |w[t, h]| sum_d |q[t, h, d] k[s, d]|`` over the keys (the row's magnitude)."""
+    ``sum_h |w[t, h]| sum_d |q[t, h, d] k[s, d]|`` over the keys (the row's magnitude); with the
+    fp8 form's scales ``q_scale [B, T, H]`` and ``k_scale [B, S]`` (either None: 1), each dot
+    ``q . k`` (and its magnitude) times ``q_scale[t, h] * k_scale[s]``."""
     q, k, w = q.double().cpu(), k.double().cpu(), w.double().cpu()
-    score = torch.einsum("bth,bths->bts", w, torch.einsum("bthd,bsd->bths", q, k).relu())
-    mags = torch.einsum("bthd,bsd->bths", q.abs(), k.abs())
-    bound = torch.einsum("bth,bths->bts", w.abs(), mags).amax(-1) if k.shape[1] else w[..., 0] * 0
+    B, T, H, _ = q.shape
+    S = k.shape[1]
+    scale = torch.ones(B, T, H, S, dtype=torch.float64)
+    if q_scale is not None:
+        scale = scale * q_scale.double().cpu()[..., None]
+    if k_scale is not None:
+        scale = scale * k_scale.double().cpu()[:, None, None, :]
+    dots = torch.einsum("bthd,bsd->bths", q, k) * scale
+    score = torch.einsum("bth,bths->bts", w, dots.relu())
+    mags = torch.einsum("bthd,bsd->bths", q.abs(), k.abs()) * scale.abs()
+    bound = torch.einsum("bth,bths->bts", w.abs(), mags).amax(-1) if S else w[..., 0] * 0
     return score, bound
 
 
-def tolerance(bound, D: int, H: int):
+def tolerance(bound, D: int, H: int, scaled: bool = False):
     """The float32 rounding of a score: ``(D + H)`` roundings of ``2**-24`` of its terms'
-    magnitudes at most (``D`` products summed per head, ``H`` weighted heads); twice that between
-    two scores."""
-    return 2 * (D + H) * EPS32 * bound
+    magnitudes at most (``D`` products summed per head, ``H`` weighted heads; with ``scaled``,
+    2 more: the dot times q_scale, then times k_scale); twice that between two scores."""
+    return 2 * (D + H + 2 * scaled) * EPS32 * bound
 
 
-def problems(indices, values, q, k, w, positions, topk) -> list[str]:
+def problems(indices, values, q, k, w, positions, topk, q_scale=None, k_scale=None) -> list[str]:
     """What is wrong with ``(indices, values)`` as the lightning indexer's output for the
-    canonical inputs (module docstring): an empty list if nothing."""
+    canonical inputs (module docstring; with the fp8 form's scales: :func:`scores_fp64`): an
+    empty list if nothing."""
     B, T, H, D = q.shape
     S = k.shape[1]
     if indices.shape != (B, T, topk) or indices.dtype != torch.int32:
@@ -112,8 +123,9 @@ def problems(indices, values, q, k, w, positions, topk) -> list[str]:
         return found
     if not torch.all(idx[filled] < S) or not torch.all(seen.gather(-1, idx)[filled]):
         return found + ["a selected key outside [0, S) or not seen"]
-    score, bound = scores_fp64(q, k, w)
-    tol = tolerance(bound, D, H)[..., None]
+    score, bound = scores_fp64(q, k, w, q_scale, k_scale)
+    scaled = q_scale is not None or k_scale is not None
+    tol = tolerance(bound, D, H, scaled)[..., None]
     ranked = score.masked_fill(~seen, -math.inf).sort(-1, descending=True).values
     kth = ranked.gather(-1, (n - 1).clamp(min=0)[..., None])  # [B, T, 1]
     picked = score.gather(-1, idx)
