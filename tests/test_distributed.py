@@ -284,6 +284,18 @@ def _lightning(q, k, w, q_positions, topk):
             comms.get_total_counts())
 
 
+def _lightning_inputs(mesh, setup: Setup, seed: int):
+    """``([q [B, T, H, 16], k [B, S, 16], weights [B, T, H], q_positions [B, T] int32], topk)``
+    on the setup's device, ``B`` the mesh's size (one batch element per rank under the batch
+    rule), positions in the second half of the keys."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, S, H = mesh.size(), setup.T, setup.S, setup.H
+    full = (torch.randn(B, T, H, 16, generator=g), torch.randn(B, S, 16, generator=g),
+            torch.randn(B, T, H, generator=g),
+            torch.randint(S // 2, S, (B, T), generator=g, dtype=torch.int32))
+    return [t.to(setup.device_type) for t in full], setup.topk
+
+
 def _check_lightning(mesh, setup: Setup) -> None:
     """The lightning indexer ops, batched, causal, on the tokens, batch, heads (the scores'
     rule; the selection gathers q's heads) and replicated placements: the same indices as one
@@ -291,13 +303,7 @@ def _check_lightning(mesh, setup: Setup) -> None:
     selection runs on the shards with no collective."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    g = torch.Generator().manual_seed(1)
-    B = mesh.size()  # one batch element per rank under the batch rule
-    T, S, H, D, topk = setup.T, setup.S, setup.H, 16, setup.topk
-    full = (torch.randn(B, T, H, D, generator=g), torch.randn(B, S, D, generator=g),
-            torch.randn(B, T, H, generator=g),
-            torch.randint(S // 2, S, (B, T), generator=g, dtype=torch.int32))
-    full = [t.to(setup.device_type) for t in full]
+    full, topk = _lightning_inputs(mesh, setup, seed=1)
     expected, _ = _lightning(*full, topk)
     R = Replicate()
     for name, placements in {"tokens": (Shard(1), R, Shard(1), Shard(1)),
@@ -337,13 +343,7 @@ def _check_lightning_fp8(mesh, setup: Setup) -> None:
     in the quantisation or the selection."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    g = torch.Generator().manual_seed(3)
-    B = mesh.size()
-    T, S, H, D, topk = setup.T, setup.S, setup.H, 16, setup.topk
-    full = (torch.randn(B, T, H, D, generator=g), torch.randn(B, S, D, generator=g),
-            torch.randn(B, T, H, generator=g),
-            torch.randint(S // 2, S, (B, T), generator=g, dtype=torch.int32))
-    full = [t.to(setup.device_type) for t in full]
+    full, topk = _lightning_inputs(mesh, setup, seed=3)
     expected, _ = _lightning_fp8(*full, topk)
     R = Replicate()
     for name, placements in {"tokens": (Shard(1), R, Shard(1), Shard(1)),

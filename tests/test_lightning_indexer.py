@@ -476,11 +476,17 @@ def test_the_selected_scores_backward_compiles_fullgraph():
         _, val = lightning_indexer(q, k, w, 3, causal=True, return_scores=True)
         return val.square().sum()
 
-    eager = [t.clone().requires_grad_() for t in (q, k, w)]
+    assert_compiled_gradients_match(loss, (q, k, w))
+
+
+def assert_compiled_gradients_match(loss, inputs) -> None:
+    """``loss(*inputs)``'s gradients in every input through ``torch.compile(fullgraph=True)``
+    (inductor, one graph) equal the eager ones to float32's tolerance."""
+    eager = [t.clone().requires_grad_() for t in inputs]
     want = torch.autograd.grad(loss(*eager), eager)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
-    compiled = [t.clone().requires_grad_() for t in (q, k, w)]
+    compiled = [t.clone().requires_grad_() for t in inputs]
     got = torch.autograd.grad(torch.compile(loss, backend=counter, fullgraph=True)(*compiled),
                               compiled)
     assert counter.frame_count == 1
@@ -572,6 +578,12 @@ def test_the_op_checks_its_canonical_inputs():
              ((q[0], k, w, None, 3), r"q must be \[B, T, H, D\]"),
              ((q, k[0], w, None, 3), r"k must be \[B, S, D\]"),
              ((q, k, w[0], None, 3), r"weights must be \[B, T, H\]"))
+    assert_op_and_fake_raise(cases)
+
+
+def assert_op_and_fake_raise(cases) -> None:
+    """Each ``(op arguments, message)`` raises ``lightning_indexer: <message>`` from the op on
+    real tensors and from its fake kernel on FakeTensors."""
     for args, message in cases:
         with pytest.raises(RuntimeError, match="^lightning_indexer: " + message):
             op(*args)

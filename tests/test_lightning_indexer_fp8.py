@@ -26,8 +26,9 @@ from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from test_lightning_indexer import (CUDA, DIMS, _graph_breaks, _positions, exact_selection,
-                                    inputs, problems)
+from test_lightning_indexer import (CUDA, DIMS, _graph_breaks, _positions,
+                                    assert_compiled_gradients_match, assert_op_and_fake_raise,
+                                    exact_selection, inputs, problems)
 from test_properties import PROFILE  # noqa: F401  (registers and loads the hypothesis profiles)
 from mla_inductor import backends, lightning_indexer, quantize_fp8, use_backend
 from mla_inductor.kernels import sm90
@@ -141,22 +142,14 @@ def test_the_scores_are_differentiable_in_weights_and_scales_not_in_fp8_q_and_k(
 
 
 def test_the_backward_compiles_fullgraph():
+    """The gradients of weights, q_scale and k_scale through inductor equal the eager ones."""
     q8, k8, w, qs, ks = fp8_inputs(1, 7, 10, 2, 8, seed=7)
 
     def loss(w, qs, ks):
         _, val = _run(q8, k8, w, 3, qs, ks, causal=True)
         return val.square().sum()
 
-    eager = [t.clone().requires_grad_() for t in (w, qs, ks)]
-    want = torch.autograd.grad(loss(*eager), eager)
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
-    compiled = [t.clone().requires_grad_() for t in (w, qs, ks)]
-    got = torch.autograd.grad(torch.compile(loss, backend=counter, fullgraph=True)(*compiled),
-                              compiled)
-    assert counter.frame_count == 1
-    for a, b in zip(got, want):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_compiled_gradients_match(loss, (w, qs, ks))
 
 
 # -- quantize_fp8 --------------------------------------------------------------------------------
@@ -323,13 +316,7 @@ def test_the_op_and_its_fake_check_the_canonical_scales():
              ((q8, k8.float(), w, None, 3, None, ks), "q and k must both be"),
              ((q8.float(), k8.float(), w, None, 3, None, ks), "q_scale and k_scale are read "
                                                               "only with"))
-    for args, message in cases:
-        with pytest.raises(RuntimeError, match="^lightning_indexer: " + message):
-            op(*args)
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-            with pytest.raises(RuntimeError, match="^lightning_indexer: " + message):
-                op(*fake)
+    assert_op_and_fake_raise(cases)
 
 
 # -- backend selection ---------------------------------------------------------------------------
