@@ -3,7 +3,7 @@
 Public names: :func:`sparse_mla`, :func:`indexer_target` and :func:`indexer_kl_loss` (the
 indexer's training signal), :func:`lightning_indexer` (the indexer's top-k) and
 :func:`lightning_indexer_scores` (its differentiable scores of the selected keys),
-:func:`use_backend`, :func:`precompile`, ``__version__``.
+:func:`quantize_fp8` (per-row fp8 for the indexer's fp8 form), :func:`use_backend`, :func:`precompile`, ``__version__``.
 """
 
 import torch
@@ -12,6 +12,7 @@ from .api import indexer_kl_loss, indexer_target, sparse_mla
 from .api import lightning_indexer, lightning_indexer_scores
 from .backends import use_backend
 from .precompile import precompile
+from .quantize import quantize_fp8
 
 __version__ = "0.1.0"
 
@@ -21,4 +22,4 @@ if torch.distributed.is_available():  # DTensor sharding rules for the ops (mla_
     distributed.register_when_dtensor_imported()
 
 __all__ = ["sparse_mla", "indexer_target", "indexer_kl_loss", "lightning_indexer",
-           "lightning_indexer_scores", "use_backend", "precompile", "__version__"]
+           "lightning_indexer_scores", "quantize_fp8", "use_backend", "precompile", "__version__"]

@@ -328,12 +328,17 @@ def lightning_indexer(
     causal: bool = False,
     q_positions: Optional[Tensor] = None,
     return_scores: bool = False,
+    q_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
 ):
     """DeepSeek-V3.2's lightning indexer: the ``topk`` keys of largest indexer score per token.
 
     ``score[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])`` over the index heads ``h``
     (float32 accumulation; DeepSeek-V3.2-Exp technical report, section 2.1; GLM-5's indexer is
-    the same). Each token keeps the ``min(topk, n_seen)`` keys of largest score among the
+    the same). In fp8, as DeepSeek-V3.2-Exp's inference code runs it (q and k quantized to
+    e4m3 with one scale per row by its ``act_quant``; DeepGEMM's fp8 MQA logits): ``score[t, s]
+    = sum_h weights[t, h] * relu(q_scale[t, h] * k_scale[s] * (q[t, h] . k[s]))``, the dot of
+    the fp8 values accumulated in float32 (:func:`quantize_fp8` gives the values and scales). Each token keeps the ``min(topk, n_seen)`` keys of largest score among the
     ``n_seen`` it sees; on an exact tie the smaller key index wins (``-0.0`` ties ``+0.0``), and a
     NaN score ranks above +inf (so a diverged indexer shows in its selection, which stays
     deterministic). The selection is a deterministic function of the inputs, computed without a
@@ -341,9 +346,9 @@ def lightning_indexer(
 
     Args:
         q: ``[T, H, D]`` or batched ``[B, T, H, D]`` index queries (``H`` index heads);
-            bfloat16 or float16 (float32 on the reference backend).
+            bfloat16, float16 or float8_e4m3fn (float32 on the reference backend).
         k: ``[S, D]`` or ``[S, 1, D]``; batched ``[B, S, D]`` or ``[B, S, 1, D]``, each batch
-            element its own keys. q's dtype.
+            element its own keys. q's dtype (fp8 with fp8 only).
         weights: ``[T, H]`` (batched ``[B, T, H]``) float32 head weights, any scale folded in
             (DeepSeek-V3.2: ``weights_proj(x) * H**-0.5 * softmax_scale``).
         topk: a Python int ``>= 0`` (a SymInt under ``torch.compile``; not a tensor).
@@ -354,6 +359,10 @@ def lightning_indexer(
             for every batch element), each token's position in key coordinates; values below 0
             see no key, values ``>= S`` every key.
         return_scores: also return each slot's score.
+        q_scale: only with float8_e4m3fn q and k: ``[T, H]`` (batched ``[B, T, H]``) float32,
+            the dequantisation scale of each query row (``x ≈ x_fp8 * scale``); None: 1.
+        k_scale: required with float8_e4m3fn q and k, refused otherwise: ``[S]`` (batched
+            ``[B, S]``) float32, the scale of each key row.
 
     Returns:
         ``indices [.., T, topk]`` int32: per row the selected keys in ASCENDING key index (not
@@ -365,7 +374,9 @@ def lightning_indexer(
         differentiable in q, k and weights (the backward of :func:`lightning_indexer_scores` at
         these indices: a loss on the selected keys' logits needs no second scoring; while
         ``scores`` is alive with a graph, q, k, weights and the indices are kept for it). The
-        indices carry no gradient.
+        indices carry no gradient. In fp8 the scores are the fp8 definition's float32 values,
+        differentiable in weights, q_scale and k_scale (the same backward on the float32
+        ``q_scale * q`` and ``k_scale * k``; fp8 q and k get no gradient: None).
 
     Raises:
         RuntimeError (every message starts ``lightning_indexer:``): q, k, weights not tensors,
@@ -373,17 +384,20 @@ def lightning_indexer(
             also 0-d) or negative; ranks of q, k, weights that match no layout above, a batch,
             token, head or D mismatch, an unsupported dtype of q, k not of q's dtype, weights
             not float32, tensors on different devices; q_positions without ``causal``, of a
-            non-integer dtype or a wrong shape (all of these also at trace time under
-            ``torch.compile``); a forced backend that cannot run here. On a CUDA device
-            without a kernel for the problem the reference runs, with a warning.
+            non-integer dtype or a wrong shape; one of q and k in fp8 and not the other, fp8
+            without k_scale, a scale with non-fp8 q and k, a scale of the wrong shape, not
+            float32 or on another device (all of these also at trace time under
+            ``torch.compile``); a forced backend that cannot run here (sm90 has no fp8 kernel
+            yet). On a CUDA device without a kernel for the problem (fp8 included) the
+            reference runs, with a warning.
     """
     op = "lightning_indexer"
     for name, t in (("q", q), ("k", k), ("weights", weights)):
         _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}",
                  op=op)
-    _require(q_positions is None or isinstance(q_positions, Tensor),
-             f"q_positions must be a torch.Tensor or None, got {type(q_positions).__name__}",
-             op=op)
+    for name, t in (("q_positions", q_positions), ("q_scale", q_scale), ("k_scale", k_scale)):
+        _require(t is None or isinstance(t, Tensor),
+                 f"{name} must be a torch.Tensor or None, got {type(t).__name__}", op=op)
     if isinstance(topk, Tensor):
         _require(False, f"topk must be a Python int, got a {topk.dim()}-d tensor; pass "
                  "topk=int(t) outside the compiled region", op=op)
@@ -392,7 +406,7 @@ def lightning_indexer(
     if not isinstance(topk, (int, torch.SymInt)):
         topk = int(topk)  # e.g. a NumPy integer; a symbolic size stays symbolic
     indices, scores = torch.ops.mla_inductor.lightning_indexer_entry(
-        q, k, weights, q_positions, bool(causal), topk
+        q, k, weights, q_positions, bool(causal), topk, q_scale, k_scale
     )
     return (indices, scores) if return_scores else indices
 

@@ -10,7 +10,9 @@ Per layer (shapes for batch ``B``, tokens ``T``, ``H`` heads):
 - a lightning indexer (:func:`mla_inductor.lightning_indexer`: ``index_heads`` heads of width
   ``d_index``, ``score[t, s] = sum_h w[t, h] relu(q_idx[t, h] . k_idx[s])`` with head weights
   ``w`` from the token) selects each token's top ``topk`` among the tokens ``s <= t`` (causal);
-  slots beyond a token's ``t + 1`` candidates are ``-1`` (empty). It learns as in DeepSeek-V3.2's
+  slots beyond a token's ``t + 1`` candidates are ``-1`` (empty); with ``--indexer-precision
+  fp8`` it selects from fp8 queries and keys quantised per row (:func:`mla_inductor.quantize_fp8`,
+  as DeepSeek-V3.2-Exp's inference code runs its indexer). It learns as in DeepSeek-V3.2's
   sparse training stage: its input is detached, and its scores of the selected slots are pulled
   towards the main
   attention's head-summed, L1-normalised probabilities of those slots
@@ -52,7 +54,9 @@ from torch import Tensor, nn
 
 from . import backends, logs
 from .threads import cpu_threads, default_threads
-from .api import indexer_kl_loss, indexer_target, lightning_indexer, sparse_mla
+from .api import (indexer_kl_loss, indexer_target, lightning_indexer, lightning_indexer_scores,
+                  sparse_mla)
+from .quantize import quantize_fp8
 
 VOCAB = 256  # bytes
 PROMPT = b"def __init__(self"
@@ -83,6 +87,7 @@ class Config:
     threads: Optional[int] = None
     seed: int = 0
     deterministic: bool = False  # torch.use_deterministic_algorithms(True) for the run
+    indexer_precision: str = "bf16"  # "fp8": the indexer selects from per-row fp8 q and k
 
     def resolved(self) -> "Config":
         """On CUDA: bfloat16 and DeepSeek's d_latent 512, d_rope 64 and index head width
@@ -168,24 +173,34 @@ class Indexer(nn.Module):
     :func:`mla_inductor.lightning_indexer` (causal), and the logits are its scores of the
     selected slots (``return_scores``: differentiable, their backward the
     :func:`mla_inductor.lightning_indexer_scores` backward; 0 on -1 slots, which the loss does
-    not read).
+    not read). With ``precision`` ``"fp8"`` the selection runs on ``q`` and ``k`` quantised per
+    row by :func:`mla_inductor.quantize_fp8` (the fp8 indexer of DeepSeek-V3.2-Exp's inference
+    code) and the logits are :func:`mla_inductor.lightning_indexer_scores` of the unquantised
+    ``q`` and ``k`` at its slots (the loss stays in the model's dtype).
     """
 
-    def __init__(self, d_model: int, d_index: int, heads: int, topk: int):
+    def __init__(self, d_model: int, d_index: int, heads: int, topk: int,
+                 precision: str = "bf16"):
         super().__init__()
         self.wq = nn.Linear(d_model, heads * d_index, bias=False)
         self.wk = nn.Linear(d_model, d_index, bias=False)
         self.weights = nn.Linear(d_model, heads, bias=False)
         self.heads, self.d_index, self.topk = heads, d_index, topk
+        self.precision = precision
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         B, T, _ = x.shape
         x = x.detach()
         q = self.wq(x).view(B, T, self.heads, self.d_index)
-        k = self.wk(x)
+        k = self.wk(x).to(q.dtype)
         w = self.weights(x).float() * (self.heads * self.d_index) ** -0.5
-        return lightning_indexer(q, k.to(q.dtype), w, min(self.topk, T), causal=True,
-                                 return_scores=True)
+        topk = min(self.topk, T)
+        if self.precision != "fp8":
+            return lightning_indexer(q, k, w, topk, causal=True, return_scores=True)
+        (q8, q_scale), (k8, k_scale) = quantize_fp8(q), quantize_fp8(k)
+        indices = lightning_indexer(q8, k8, w.detach(), topk, causal=True, q_scale=q_scale,
+                                    k_scale=k_scale)
+        return indices, lightning_indexer_scores(q, k, w, indices)
 
 
 class SparseMLA(nn.Module):
@@ -200,7 +215,8 @@ class SparseMLA(nn.Module):
         self.wkv = nn.Linear(cfg.d_model, d_qk, bias=False)
         self.kv_norm = nn.RMSNorm(cfg.d_latent)
         self.wo = nn.Linear(cfg.heads * cfg.d_latent, cfg.d_model, bias=False)
-        self.indexer = Indexer(cfg.d_model, cfg.d_index, cfg.index_heads, cfg.topk)
+        self.indexer = Indexer(cfg.d_model, cfg.d_index, cfg.index_heads, cfg.topk,
+                               cfg.indexer_precision)
 
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """``q [B, T, H, d_qk]`` and ``kv [B, T, d_qk]`` in the attention's dtype."""
@@ -510,15 +526,17 @@ def _run(cfg: Config, out: Callable[[str], None]) -> Report:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
 
-    names = {d: backends.select(device, dtype, d).__name__
-             for d in ("forward", "backward", "lightning_indexer")}
+    names = {d: backends.select(device, dtype, d).__name__ for d in ("forward", "backward")}
+    index_dtype = torch.float8_e4m3fn if cfg.indexer_precision == "fp8" else dtype
+    names["lightning_indexer"] = backends.select(device, index_dtype, "lightning_indexer").__name__
     where = str(device)
     if device.type == "cuda":
         where += f" ({torch.cuda.get_device_name(device)})"
     out(f"device {where}, dtype {cfg.dtype}, torch {torch.__version__}, "
         f"{cfg.threads} CPU thread(s)" + (", deterministic algorithms" if cfg.deterministic else ""))
     out(f"backend requested: {backends.requested()}; in use: forward {names['forward']}, "
-        f"backward {names['backward']}, indexer {names['lightning_indexer']}")
+        f"backward {names['backward']}, indexer {names['lightning_indexer']}"
+        + (" (fp8)" if cfg.indexer_precision == "fp8" else ""))
 
     data = load_corpus()
     split = int(0.9 * len(data))
@@ -643,6 +661,10 @@ def parse_args(argv=None) -> Config:
     )
     p.add_argument("--threads", type=int, help="CPU threads (default: 1 on cpu, else torch's)")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed (data, init, sampling)")
+    p.add_argument("--indexer-precision", choices=("bf16", "fp8"), default=d.indexer_precision,
+                   help="the indexer's selection: bf16 (the model's dtype, default) or fp8 (q "
+                        "and k quantised per row to e4m3; the loss logits stay in the model's "
+                        "dtype)")
     p.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms(True): bitwise reproducible losses "
                         "(on sm90 the backward accumulates dkv in 64-bit fixed point)")

@@ -59,7 +59,9 @@ replicated    everything R                                 everything R
 
 The heads rule is the scores' only (a sum over heads: each shard's partial sum is ``Partial``);
 the selection's top-k of that sum has none, so a q sharded on heads is gathered for
-``lightning_indexer``.
+``lightning_indexer``. The selection's fp8 scales are placed like the rows they scale:
+``q_scale [B, T, H]`` as q (tokens: Shard(1); batch: Shard(0)) and ``k_scale [B, S]`` as k
+(tokens: R; batch: Shard(0)).
 """
 
 from __future__ import annotations
@@ -122,6 +124,11 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _given(t, placement):
+    """``placement`` for a tensor argument, ``None`` for an absent optional one."""
+    return None if t is None else placement
+
+
 def register() -> None:
     """Registers the rules with DTensor's sharding propagator (a second call replaces them with
     the same ones). Call only where ``torch.distributed.is_available()``."""
@@ -139,18 +146,14 @@ def register() -> None:
         (R, R, R, R, R),  # replicated
     )
 
-    def given(t, placement):
-        """``placement`` for a tensor argument, ``None`` for an absent optional one."""
-        return None if t is None else placement
-
     @register_sharding(torch.ops.mla_inductor.sparse_mla_fwd.default)
     def _fwd(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v,
              rescale_threshold, return_o_lo, return_max_logits):
         found = []
         for row, token, sink, _, _ in rules:
             outputs = [row, row, row if return_o_lo else R, row if return_max_logits else R]
-            inputs = [row, R, token, given(topk_length, token), given(q_positions, token),
-                      given(attn_sink, sink)]
+            inputs = [row, R, token, _given(topk_length, token), _given(q_positions, token),
+                      _given(attn_sink, sink)]
             found.append((outputs, inputs))
         return found
 
@@ -158,8 +161,8 @@ def register() -> None:
     def _indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
         found = []
         for row, token, sink, _, _ in rules[1:]:  # tokens, replicated
-            inputs = [row, R, token, given(topk_length, token), given(q_positions, token),
-                      given(attn_sink, sink), row]
+            inputs = [row, R, token, _given(topk_length, token), _given(q_positions, token),
+                      _given(attn_sink, sink), row]
             found.append(([token], inputs))
         return found
 
@@ -169,8 +172,8 @@ def register() -> None:
         found = []
         for row, token, sink, dkv, d_sink in rules:
             outputs = [row, dkv, R if attn_sink is None else d_sink]
-            inputs = [row, given(dlse, row), row, R, token, given(topk_length, token),
-                      given(q_positions, token), given(attn_sink, sink), row, row,
+            inputs = [row, _given(dlse, row), row, R, token, _given(topk_length, token),
+                      _given(q_positions, token), _given(attn_sink, sink), row, row,
                       row if o_lo.ndim == 3 else R]
             found.append((outputs, inputs))
         return found
@@ -185,8 +188,9 @@ def _register_lightning(register_sharding, R, Shard, Partial) -> None:
     tokens, batch, heads = Shard(1), Shard(0), Shard(2)
 
     @register_sharding(torch.ops.mla_inductor.lightning_indexer.default)
-    def _select(q, k, weights, q_positions, topk):
-        return [([row, row], [row, k_p, row, None if q_positions is None else row])
+    def _select(q, k, weights, q_positions, topk, q_scale=None, k_scale=None):
+        return [([row, row], [row, k_p, row, _given(q_positions, row), _given(q_scale, row),
+                              _given(k_scale, k_p)])
                 for row, k_p in ((tokens, R), (batch, batch), (R, R))]
 
     @register_sharding(torch.ops.mla_inductor.lightning_indexer_scores.default)

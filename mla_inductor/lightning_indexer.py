@@ -7,23 +7,32 @@ attends to: ``score[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])`` over ``
 (float32 accumulation), and the ``topk`` keys of largest score among those the token sees
 (GLM-5 uses the same indexer).
 
-``lightning_indexer(q, k, weights, q_positions, topk) -> (indices, scores)`` in the canonical
-batched layout: ``q [B, T, H, D]`` bfloat16 / float16 (float32 on the reference backend), ``k
-[B, S, D]`` of q's dtype, ``weights [B, T, H]`` float32, ``q_positions [B, T]`` int32 or None
-(None: every key seen; else key ``s`` is seen by token ``t`` when ``s <= q_positions[b, t]``),
-``topk >= 0`` (a SymInt under compile); returns contiguous ``indices [B, T, topk]`` int32 and
-``scores [B, T, topk]`` float32. Per row: the ``min(topk, keys seen)`` seen keys of largest
+``lightning_indexer(q, k, weights, q_positions, topk, q_scale=None, k_scale=None) -> (indices,
+scores)`` in the canonical batched layout: ``q [B, T, H, D]`` bfloat16 / float16 (float32 on the
+reference backend), ``k [B, S, D]`` of q's dtype, ``weights [B, T, H]`` float32, ``q_positions
+[B, T]`` int32 or None (None: every key seen; else key ``s`` is seen by token ``t`` when ``s <=
+q_positions[b, t]``), ``topk >= 0`` (a SymInt under compile); returns contiguous ``indices [B,
+T, topk]`` int32 and ``scores [B, T, topk]`` float32. With q and k in float8_e4m3fn (the fp8
+indexer of DeepSeek-V3.2-Exp's inference code), ``k_scale [B, S]`` float32 is required and
+``q_scale [B, T, H]`` float32 optional (None: 1), and ``score[t, s] = sum_h weights[t, h] *
+relu(q_scale[t, h] * k_scale[s] * (q[t, h] . k[s]))``, the dot of the fp8 values accumulated in
+float32. Per row: the ``min(topk, keys seen)`` seen keys of largest
 score, exact ties to the smaller key index, a NaN score above +inf (``-0.0`` ties ``+0.0``), in
 ascending key index, then -1 (an empty slot of :func:`mla_inductor.sparse_mla`); ``scores`` holds
 each slot's score, 0 on -1 slots. ``scores`` is differentiable in q, k and weights: its
 backward is ``lightning_indexer_scores_bwd`` at the selected indices (:mod:`.lightning_scores`:
 the same definition at the same slots), so that a training loss on the indexer's logits (the
 KL loss of DeepSeek-V3.2's sparse stage) needs no second scoring of its slots; the indices carry
-no gradient.
+no gradient. With fp8 q and k the scores are differentiable in weights, q_scale and k_scale,
+not in the fp8 q and k (their gradient is None): the same backward on the float32 products
+``q_scale * q`` and ``k_scale * k`` (``[B, T, H, D]`` and ``[B, S, D]`` float32 temporaries),
+then ``dq_scale[t, h] = sum_d dq[t, h, d] q[t, h, d]`` and ``dk_scale[s] = sum_d dk[s, d]
+k[s, d]``.
 
-Its entry op ``lightning_indexer_entry(q, k, weights, q_positions, causal, topk)`` takes the
-layouts of :func:`mla_inductor.lightning_indexer` (flat ``q [T, H, D]``, ``k [S, D]`` or ``[S, 1,
-D]``, ``weights [T, H]``, or batched with a leading ``B``) and forms the canonical inputs: int64
+Its entry op ``lightning_indexer_entry(q, k, weights, q_positions, causal, topk, q_scale=None,
+k_scale=None)`` takes the layouts of :func:`mla_inductor.lightning_indexer` (flat ``q [T, H,
+D]``, ``k [S, D]`` or ``[S, 1, D]``, ``weights [T, H]``, ``q_scale [T, H]``, ``k_scale [S]``, or
+batched with a leading ``B``) and forms the canonical inputs: int64
 positions (``[T]`` shared by every batch element, or ``[B, T]``) clamped to ``[-1, S]`` and cast
 to int32, and with ``causal`` and no positions the bottom-right default ``S - T + t`` (the rule
 of :func:`mla_inductor.sparse_mla`). Dynamo keeps it as one node: its checks raise at trace
@@ -40,7 +49,7 @@ from torch import Tensor
 
 from . import backends, layout, lowering
 from .lightning_scores import lightning_indexer_scores_bwd
-from .validation import check_lightning_inputs, check_lightning_layout
+from .validation import FP8, check_lightning_inputs, check_lightning_layout
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
 
@@ -58,36 +67,49 @@ def lightning_indexer(
     weights: Tensor,
     q_positions: Optional[Tensor],
     topk: int,
+    q_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """The lightning indexer's top-k on the backend :mod:`mla_inductor.backends` selects.
 
-    Canonical layout, dtypes and selection rules: the module docstring.
+    Canonical layout, dtypes and selection rules: the module docstring. The scales reach the
+    backend as the keywords ``q_scale`` and ``k_scale`` with fp8 q and k only (a backend takes
+    them where its ``supports()`` accepts fp8).
 
     Raises:
         RuntimeError: the checks of
             :func:`mla_inductor.validation.check_lightning_inputs` (also from the fake kernel
             at trace time), or a forced backend that cannot run here.
     """
-    check_lightning_inputs(q, k, weights, q_positions, topk)
+    check_lightning_inputs(q, k, weights, q_positions, topk, q_scale, k_scale)
     features = frozenset(("causal",)) if q_positions is not None else frozenset()
     dims = (q.shape[1], q.shape[2], k.shape[1], q.shape[3], 0, features)
     backend = backends.select(q.device, q.dtype, "lightning_indexer", dims)
+    scales = {}
+    if q.dtype == FP8:
+        scales = dict(q_scale=None if q_scale is None else q_scale.contiguous(),
+                      k_scale=k_scale.contiguous())
     return backend.lightning_indexer(
         q.contiguous(), k.contiguous(), weights.contiguous(),
-        None if q_positions is None else q_positions.contiguous(), topk,
+        None if q_positions is None else q_positions.contiguous(), topk, **scales,
     )
 
 
 @lightning_indexer.register_fake
-def _(q, k, weights, q_positions, topk):
-    check_lightning_inputs(q, k, weights, q_positions, topk)
+def _(q, k, weights, q_positions, topk, q_scale=None, k_scale=None):
+    check_lightning_inputs(q, k, weights, q_positions, topk, q_scale, k_scale)
     lowering.install()
     return _outputs(q, topk)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, weights, _, _ = inputs
-    ctx.save_for_backward(q, k, weights, output[0])
+    q, k, weights, _, _, q_scale, k_scale = inputs
+    ctx.save_for_backward(q, k, weights, output[0], q_scale, k_scale)
+
+
+def _scaled(x: Tensor, scale: Optional[Tensor]) -> Tensor:
+    """fp8 ``x [.., D]`` as float32 times its per-row ``scale [..]`` (None: 1)."""
+    return x.float() if scale is None else x.float() * scale.unsqueeze(-1)
 
 
 def _backward(ctx, dindices, dscores):
@@ -95,11 +117,18 @@ def _backward(ctx, dindices, dscores):
     ``torch.use_deterministic_algorithms`` as the backward is traced picks the deterministic
     variant, as for :func:`mla_inductor.lightning_scores.lightning_indexer_scores_bwd`."""
     del dindices  # integer outputs get no gradient
-    q, k, weights, indices = ctx.saved_tensors
+    q, k, weights, indices, q_scale, k_scale = ctx.saved_tensors
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    if q.dtype != FP8:
+        dq, dk, dweights = lightning_indexer_scores_bwd(
+            dscores.contiguous(), q, k, weights, indices, deterministic)
+        return dq, dk, dweights, None, None, None, None
     dq, dk, dweights = lightning_indexer_scores_bwd(
-        dscores.contiguous(), q, k, weights, indices,
-        torch.are_deterministic_algorithms_enabled())
-    return dq, dk, dweights, None, None
+        dscores.contiguous(), _scaled(q, q_scale), _scaled(k, k_scale), weights, indices,
+        deterministic)
+    dq_scale = (dq * q.float()).sum(-1) if ctx.needs_input_grad[5] else None
+    dk_scale = (dk * k.float()).sum(-1) if ctx.needs_input_grad[6] else None
+    return None, None, dweights, None, None, dq_scale, dk_scale
 
 
 lightning_indexer.register_autograd(_backward, setup_context=_setup_context)
@@ -108,7 +137,7 @@ lightning_indexer.register_autograd(_backward, setup_context=_setup_context)
 _lib = torch.library.Library("mla_inductor", "FRAGMENT")
 _lib.define(
     "lightning_indexer_entry(Tensor q, Tensor k, Tensor weights, Tensor? q_positions, "
-    "bool causal, SymInt topk) -> (Tensor, Tensor)"
+    "bool causal, SymInt topk, Tensor? q_scale=None, Tensor? k_scale=None) -> (Tensor, Tensor)"
 )
 
 
@@ -119,17 +148,20 @@ def _positions(q_positions: Optional[Tensor], B, T, S, like: Tensor) -> Tensor:
     return layout.token_positions(T, S, like, q_positions).expand(B, T).to(torch.int32)
 
 
-def _lightning_indexer_entry(q, k, weights, q_positions, causal, topk):
-    check_lightning_layout(q, k, weights, causal, q_positions)
+def _lightning_indexer_entry(q, k, weights, q_positions, causal, topk, q_scale=None,
+                             k_scale=None):
+    check_lightning_layout(q, k, weights, causal, q_positions, q_scale, k_scale)
     batched = q.dim() == 4
     if k.dim() == q.dim():  # [S, 1, D] / [B, S, 1, D]
         k = k.squeeze(-2)
     if not batched:
         q, k, weights = q.unsqueeze(0), k.unsqueeze(0), weights.unsqueeze(0)
+        q_scale, k_scale = (None if t is None else t.unsqueeze(0) for t in (q_scale, k_scale))
     positions = None
     if causal:
         positions = _positions(q_positions, q.shape[0], q.shape[1], k.shape[1], q)
-    indices, scores = torch.ops.mla_inductor.lightning_indexer(q, k, weights, positions, topk)
+    indices, scores = torch.ops.mla_inductor.lightning_indexer(q, k, weights, positions, topk,
+                                                               q_scale, k_scale)
     if not batched:
         indices, scores = indices[0], scores[0]
     return indices, scores

@@ -19,6 +19,9 @@ from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The lightning indexer also takes q and k in fp8 (e4m3, with per-row scales: the indexer of
+# DeepSeek-V3.2-Exp's inference code).
+FP8 = torch.float8_e4m3fn
 INDEX_DTYPES = (torch.int32, torch.int64)
 # Exclusive upper bound of rescale_threshold (log2 units) per dtype of q. The lazy rescale lets
 # p = exp2(s - stale max) reach 2**threshold, and p is rounded to q's dtype for the P.V product:
@@ -352,16 +355,18 @@ def check_lightning_layout(
     weights: torch.Tensor,
     causal: bool,
     q_positions: Optional[torch.Tensor],
+    q_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """Checks the ranks of a :func:`mla_inductor.lightning_indexer` call before it is brought
     to the canonical layout: ``q [T, H, D]`` with ``k [S, D]`` or ``[S, 1, D]`` and ``weights
     [T, H]``; batched ``q [B, T, H, D]`` with ``k [B, S, D]`` or ``[B, S, 1, D]`` and ``weights
-    [B, T, H]``; ``q_positions`` (only with ``causal``) an integer ``[T]`` or, batched, ``[B, T]``.
-    Sizes, dtypes and devices are checked on the canonical tensors
-    (:func:`check_lightning_inputs`).
+    [B, T, H]``; ``q_positions`` (only with ``causal``) an integer ``[T]`` or, batched, ``[B, T]``;
+    the fp8 scales in the call's layout (:func:`check_lightning_scales`). Sizes, dtypes and
+    devices are checked on the canonical tensors (:func:`check_lightning_inputs`).
 
     Raises:
-        RuntimeError: naming the layout expected and the shape found.
+        RuntimeError: naming the layout expected and the shape found, or a scale's error.
     """
     _lightning_check(
         q.dim() in (3, 4),
@@ -406,6 +411,60 @@ def check_lightning_layout(
         )
         _lightning_check(q_positions.device == q.device,
                          f"q_positions on {q_positions.device}, q on {q.device}")
+    check_lightning_scales(q, k, q_scale, k_scale)
+
+
+def check_lightning_scales(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_scale: Optional[torch.Tensor],
+    k_scale: Optional[torch.Tensor],
+) -> None:
+    """Checks the lightning indexer's fp8 scales against ``q [T, H, D]`` and ``k [S, D]`` or
+    ``[S, 1, D]`` (batched: ``q [B, T, H, D]``, ``k [B, S, D]`` or ``[B, S, 1, D]``; the
+    canonical layout is the batched one): q and k both float8_e4m3fn or neither; with fp8,
+    ``k_scale`` required, ``[S]`` (batched ``[B, S]``), and ``q_scale`` optional, ``[T, H]``
+    (batched ``[B, T, H]``), both float32 on q's device; without fp8, no scale. Ranks of q and
+    k are checked before (:func:`check_lightning_layout`, :func:`check_lightning_inputs`).
+
+    Raises:
+        RuntimeError: a mixed fp8 / non-fp8 pair, a missing ``k_scale``, a scale given with
+            non-fp8 q and k, or a scale of the wrong shape, dtype or device.
+    """
+    fp8 = q.dtype == FP8
+    _lightning_check(
+        fp8 == (k.dtype == FP8),
+        f"q and k must both be {FP8} (with k_scale) or neither, got q {q.dtype} and k "
+        f"{k.dtype}; quantize both with mla_inductor.quantize_fp8",
+    )
+    if not fp8:
+        _lightning_check(
+            q_scale is None and k_scale is None,
+            f"q_scale and k_scale are read only with {FP8} q and k, got q {q.dtype} with "
+            + ("q_scale" if k_scale is None else "k_scale"),
+        )
+        return
+    batched = q.dim() == 4
+    _lightning_check(
+        k_scale is not None,
+        f"{FP8} q and k need k_scale, float32 {'[B, S]' if batched else '[S]'}: one scale per "
+        "key row (mla_inductor.quantize_fp8 returns it)",
+    )
+    lead = "[B, T, H]" if batched else "[T, H]"
+    expected = {"q_scale": (lead, tuple(q.shape[:-1])),
+                "k_scale": ("[B, S]" if batched else "[S]",
+                            (k.shape[0], k.shape[1]) if batched else (k.shape[0],))}
+    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if scale is None:
+            continue
+        layout, shape = expected[name]
+        _lightning_check(
+            scale.dim() == len(shape) and all(a == b for a, b in zip(scale.shape, shape)),
+            f"{name} must be {layout} = {list(shape)}, got shape {tuple(scale.shape)}",
+        )
+        _lightning_check(scale.dtype == torch.float32,
+                         f"{name} must be float32, got {scale.dtype}")
+        _lightning_check(scale.device == q.device, f"{name} on {scale.device}, q on {q.device}")
 
 
 def check_lightning_inputs(
@@ -414,14 +473,17 @@ def check_lightning_inputs(
     weights: torch.Tensor,
     q_positions: Optional[torch.Tensor],
     topk,
+    q_scale: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
 ) -> None:
     """Checks the canonical inputs of ``torch.ops.mla_inductor.lightning_indexer``: ``q [B, T,
-    H, D]`` bfloat16 / float16 / float32, ``k [B, S, D]`` of q's dtype, ``weights [B, T, H]``
-    float32, ``q_positions [B, T]`` int32 or None, ``topk >= 0`` (an int or a SymInt), all on
-    q's device.
+    H, D]`` bfloat16 / float16 / float32 / float8_e4m3fn, ``k [B, S, D]`` of q's dtype,
+    ``weights [B, T, H]`` float32, ``q_positions [B, T]`` int32 or None, ``topk >= 0`` (an int
+    or a SymInt), with fp8 ``k_scale [B, S]`` and optionally ``q_scale [B, T, H]`` float32
+    (:func:`check_lightning_scales`), all on q's device.
 
     Raises:
-        RuntimeError: a wrong rank, size, dtype or device, or a negative topk.
+        RuntimeError: a wrong rank, size, dtype or device, a negative topk, or a scale's error.
     """
     _lightning_check(q.dim() == 4, f"q must be [B, T, H, D], got shape {tuple(q.shape)}")
     _lightning_check(k.dim() == 3, f"k must be [B, S, D], got shape {tuple(k.shape)}")
@@ -429,10 +491,11 @@ def check_lightning_inputs(
         weights.dim() == 3, f"weights must be [B, T, H], got shape {tuple(weights.shape)}"
     )
     _lightning_check(
-        q.dtype in SUPPORTED_DTYPES,
-        f"q has unsupported dtype {q.dtype}; use bfloat16, float16 (or float32 on the reference "
-        "backend)",
+        q.dtype in SUPPORTED_DTYPES or q.dtype == FP8,
+        f"q has unsupported dtype {q.dtype}; use bfloat16, float16, {FP8} with its scales (or "
+        "float32 on the reference backend)",
     )
+    check_lightning_scales(q, k, q_scale, k_scale)
     _lightning_check(k.dtype == q.dtype, f"k dtype {k.dtype} differs from q dtype {q.dtype}")
     _lightning_check(
         weights.dtype == torch.float32,

@@ -83,6 +83,30 @@ def test_lightning_tiny_runs_the_op_and_agreement_counts_shared_keys(capsys):
     assert lightning.agreement(ours, theirs) == pytest.approx((3 + 1) / (4 + 2))
 
 
+def test_lightning_tiny_fp8_reports_the_recall_of_the_float_selection(capsys):
+    """``lightning --tiny --fp8``: the last column is the fraction of the float32 selection's
+    keys (last rows) that the fp8 selection of the per-row quantised q and k keeps, recomputed
+    here with Python sets."""
+    import mla_inductor
+    from mla_inductor.bench import lightning
+
+    cli.main(["lightning", "--tiny", "--fp8", "--T", "80"])
+    out = capsys.readouterr().out
+    assert "fp8 e4m3 (per-row scales)" in out and "recall of the bf16 selection" in out
+    [row] = [line for line in out.splitlines() if line.startswith("| 80 |")]
+    got = float(row.rstrip(" |").split(" | ")[-1])
+    q, k, w = lightning.make_problem(80, 4, 32, "cpu", torch.float32)
+    w = w.bfloat16().float() * 32**-0.5
+    (q8, qs), (k8, ks) = mla_inductor.quantize_fp8(q), mla_inductor.quantize_fp8(k)
+    fp8 = mla_inductor.lightning_indexer(q8, k8, w, 16, causal=True, q_scale=qs, k_scale=ks)
+    full = mla_inductor.lightning_indexer(q, k, w, 16, causal=True)
+    kept = total = 0
+    for a, b in zip(fp8.tolist(), full.tolist()):
+        want = set(b) - {-1}
+        kept, total = kept + len(want & set(a)), total + len(want)
+    assert got == pytest.approx(kept / total, abs=1e-5) and 0.9 < got < 1
+
+
 def test_start_tiny_times_three_fresh_processes(capsys):
     """``start --tiny``: three fresh interpreters (cold, warm, warm again) each time their phases;
     the optimizer's construction imports torch._dynamo (not before it), and the reference

@@ -27,9 +27,9 @@ max_logits and the gradients of q, kv and the sink, with a loss that reaches lse
 (kv sharded on tokens, q sharded on d_qk); uneven token shards; (4 ranks) a 2 x 2 mesh sharding
 tokens and heads at once; a 2-layer DSA model (:class:`mla_inductor.bench.dist_train.Model`) trained
 3 steps under ``parallelize_module`` (tensor parallel over heads) and under ``fully_shard`` (FSDP2),
-losses equal to one process's; the indexer target's rules; the lightning indexer ops' rules (CPU
-only); and (2 ranks) ``torch.compile`` with ``fullgraph=True`` on DTensor inputs, forward and
-backward. The GPU variant runs the checks of :data:`GPU_CHECKS`.
+losses equal to one process's; the indexer target's rules; the lightning indexer ops' rules, in
+float32 and in fp8 (CPU only); and (2 ranks) ``torch.compile`` with ``fullgraph=True`` on
+DTensor inputs, forward and backward. The GPU variant runs the checks of :data:`GPU_CHECKS`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from conftest import kernel_available
 from mla_inductor import (backends, indexer_target, lightning_indexer, lightning_indexer_scores,
-                          sparse_mla)
+                          quantize_fp8, sparse_mla)
 from mla_inductor.bench.dist_train import Model, Widths, parallelize_heads, train
 from mla_inductor.bench.ranks import spawn
 
@@ -83,7 +83,7 @@ NCCL = Setup("cuda", "sm90", "bfloat16", T=256, H=128, d_qk=576, d_v=512, S=512,
 PLACEMENTS = ("replicated", "heads", "tokens", "tokens_kv_sharded", "batch", "q_sharded_on_d_qk",
               "tokens_uneven")
 CHECKS = (*PLACEMENTS, "tp_training", "fsdp2_training", "indexer_target", "lightning",
-          "head_matmul")
+          "lightning_fp8", "head_matmul")
 GPU_CHECKS = ("replicated", "heads", "tokens", "tokens_kv_sharded", "tp_training",
               "fsdp2_training", "indexer_target", "compile")
 OUTPUTS = ("out", "lse", "max_logits", "dq", "dkv", "d_sink")
@@ -284,6 +284,18 @@ def _lightning(q, k, w, q_positions, topk):
             comms.get_total_counts())
 
 
+def _lightning_inputs(mesh, setup: Setup, seed: int):
+    """``([q [B, T, H, 16], k [B, S, 16], weights [B, T, H], q_positions [B, T] int32], topk)``
+    on the setup's device, ``B`` the mesh's size (one batch element per rank under the batch
+    rule), positions in the second half of the keys."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, S, H = mesh.size(), setup.T, setup.S, setup.H
+    full = (torch.randn(B, T, H, 16, generator=g), torch.randn(B, S, 16, generator=g),
+            torch.randn(B, T, H, generator=g),
+            torch.randint(S // 2, S, (B, T), generator=g, dtype=torch.int32))
+    return [t.to(setup.device_type) for t in full], setup.topk
+
+
 def _check_lightning(mesh, setup: Setup) -> None:
     """The lightning indexer ops, batched, causal, on the tokens, batch, heads (the scores'
     rule; the selection gathers q's heads) and replicated placements: the same indices as one
@@ -291,13 +303,7 @@ def _check_lightning(mesh, setup: Setup) -> None:
     selection runs on the shards with no collective."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    g = torch.Generator().manual_seed(1)
-    B = mesh.size()  # one batch element per rank under the batch rule
-    T, S, H, D, topk = setup.T, setup.S, setup.H, 16, setup.topk
-    full = (torch.randn(B, T, H, D, generator=g), torch.randn(B, S, D, generator=g),
-            torch.randn(B, T, H, generator=g),
-            torch.randint(S // 2, S, (B, T), generator=g, dtype=torch.int32))
-    full = [t.to(setup.device_type) for t in full]
+    full, topk = _lightning_inputs(mesh, setup, seed=1)
     expected, _ = _lightning(*full, topk)
     R = Replicate()
     for name, placements in {"tokens": (Shard(1), R, Shard(1), Shard(1)),
@@ -309,6 +315,45 @@ def _check_lightning(mesh, setup: Setup) -> None:
         for what, a, b in zip(("indices", "default-position indices"), got[:2], expected[:2]):
             assert torch.equal(a, b), f"{name}: {what}"
         for what, a, b in zip(("scores", "dq", "dk", "dweights"), got[2:], expected[2:]):
+            torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {what}: {m}")
+
+
+def _lightning_fp8(q, k, w, q_positions, topk):
+    """The fp8 selection of :func:`mla_inductor.quantize_fp8`'s q and k (quantised where they
+    lie: on DTensors, per row of the local shard) and a loss through its scores: ``([indices,
+    scores, dweights, dq_scale, dk_scale], the collectives of quantisation and selection)``."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    w = w.detach().requires_grad_()
+    with CommDebugMode() as comms:
+        (q8, q_scale), (k8, k_scale) = quantize_fp8(q), quantize_fp8(k)
+        q_scale, k_scale = q_scale.requires_grad_(), k_scale.requires_grad_()
+        indices, scores = lightning_indexer(q8, k8, w, topk, causal=True, q_positions=q_positions,
+                                            return_scores=True, q_scale=q_scale, k_scale=k_scale)
+    scores.square().sum().backward()
+    found = [indices, scores.detach(), w.grad, q_scale.grad, k_scale.grad]
+    return ([t.full_tensor() if hasattr(t, "full_tensor") else t for t in found],
+            comms.get_total_counts())
+
+
+def _check_lightning_fp8(mesh, setup: Setup) -> None:
+    """The fp8 selection on the tokens, batch and replicated placements (q_scale placed as q,
+    k_scale as k): the same indices as one process, scores and the gradients of weights,
+    q_scale and k_scale equal to its to float32's tolerance; on tokens and batch no collective
+    in the quantisation or the selection."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    full, topk = _lightning_inputs(mesh, setup, seed=3)
+    expected, _ = _lightning_fp8(*full, topk)
+    R = Replicate()
+    for name, placements in {"tokens": (Shard(1), R, Shard(1), Shard(1)),
+                             "batch": (Shard(0),) * 4, "replicated": (R,) * 4}.items():
+        got, comms = _lightning_fp8(*[distribute_tensor(t, mesh, [p]) for t, p in
+                                      zip(full, placements)], topk)
+        assert name == "replicated" or comms == 0, f"{name}: {comms} collectives"
+        assert torch.equal(got[0], expected[0]), f"{name}: indices"
+        for what, a, b in zip(("scores", "dweights", "dq_scale", "dk_scale"), got[1:],
+                              expected[1:]):
             torch.testing.assert_close(a, b, msg=lambda m: f"{name}: {what}: {m}")
 
 

@@ -70,26 +70,37 @@ def seen_mask(B, T, S, positions) -> torch.Tensor:
     return torch.arange(S) <= positions.long().cpu()[..., None]
 
 
-def scores_fp64(q, k, w):
+def scores_fp64(q, k, w, q_scale=None, k_scale=None):
     """``(score [B, T, S], bound [B, T])`` in float64: the definition, and the largest
-    ``sum_h |w[t, h]| sum_d |q[t, h, d] k[s, d]|`` over the keys (the row's magnitude)."""
+    ``sum_h |w[t, h]| sum_d |q[t, h, d] k[s, d]|`` over the keys (the row's magnitude); with the
+    fp8 form's scales ``q_scale [B, T, H]`` and ``k_scale [B, S]`` (either None: 1), each dot
+    ``q . k`` (and its magnitude) times ``q_scale[t, h] * k_scale[s]``."""
     q, k, w = q.double().cpu(), k.double().cpu(), w.double().cpu()
-    score = torch.einsum("bth,bths->bts", w, torch.einsum("bthd,bsd->bths", q, k).relu())
-    mags = torch.einsum("bthd,bsd->bths", q.abs(), k.abs())
-    bound = torch.einsum("bth,bths->bts", w.abs(), mags).amax(-1) if k.shape[1] else w[..., 0] * 0
+    B, T, H, _ = q.shape
+    S = k.shape[1]
+    scale = torch.ones(B, T, H, S, dtype=torch.float64)
+    if q_scale is not None:
+        scale = scale * q_scale.double().cpu()[..., None]
+    if k_scale is not None:
+        scale = scale * k_scale.double().cpu()[:, None, None, :]
+    dots = torch.einsum("bthd,bsd->bths", q, k) * scale
+    score = torch.einsum("bth,bths->bts", w, dots.relu())
+    mags = torch.einsum("bthd,bsd->bths", q.abs(), k.abs()) * scale.abs()
+    bound = torch.einsum("bth,bths->bts", w.abs(), mags).amax(-1) if S else w[..., 0] * 0
     return score, bound
 
 
-def tolerance(bound, D: int, H: int):
+def tolerance(bound, D: int, H: int, scaled: bool = False):
     """The float32 rounding of a score: ``(D + H)`` roundings of ``2**-24`` of its terms'
-    magnitudes at most (``D`` products summed per head, ``H`` weighted heads); twice that between
-    two scores."""
-    return 2 * (D + H) * EPS32 * bound
+    magnitudes at most (``D`` products summed per head, ``H`` weighted heads; with ``scaled``,
+    2 more: the dot times q_scale, then times k_scale); twice that between two scores."""
+    return 2 * (D + H + 2 * scaled) * EPS32 * bound
 
 
-def problems(indices, values, q, k, w, positions, topk) -> list[str]:
+def problems(indices, values, q, k, w, positions, topk, q_scale=None, k_scale=None) -> list[str]:
     """What is wrong with ``(indices, values)`` as the lightning indexer's output for the
-    canonical inputs (module docstring): an empty list if nothing."""
+    canonical inputs (module docstring; with the fp8 form's scales: :func:`scores_fp64`): an
+    empty list if nothing."""
     B, T, H, D = q.shape
     S = k.shape[1]
     if indices.shape != (B, T, topk) or indices.dtype != torch.int32:
@@ -112,8 +123,9 @@ def problems(indices, values, q, k, w, positions, topk) -> list[str]:
         return found
     if not torch.all(idx[filled] < S) or not torch.all(seen.gather(-1, idx)[filled]):
         return found + ["a selected key outside [0, S) or not seen"]
-    score, bound = scores_fp64(q, k, w)
-    tol = tolerance(bound, D, H)[..., None]
+    score, bound = scores_fp64(q, k, w, q_scale, k_scale)
+    scaled = q_scale is not None or k_scale is not None
+    tol = tolerance(bound, D, H, scaled)[..., None]
     ranked = score.masked_fill(~seen, -math.inf).sort(-1, descending=True).values
     kth = ranked.gather(-1, (n - 1).clamp(min=0)[..., None])  # [B, T, 1]
     picked = score.gather(-1, idx)
@@ -464,11 +476,17 @@ def test_the_selected_scores_backward_compiles_fullgraph():
         _, val = lightning_indexer(q, k, w, 3, causal=True, return_scores=True)
         return val.square().sum()
 
-    eager = [t.clone().requires_grad_() for t in (q, k, w)]
+    assert_compiled_gradients_match(loss, (q, k, w))
+
+
+def assert_compiled_gradients_match(loss, inputs) -> None:
+    """``loss(*inputs)``'s gradients in every input through ``torch.compile(fullgraph=True)``
+    (inductor, one graph) equal the eager ones to float32's tolerance."""
+    eager = [t.clone().requires_grad_() for t in inputs]
     want = torch.autograd.grad(loss(*eager), eager)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")
-    compiled = [t.clone().requires_grad_() for t in (q, k, w)]
+    compiled = [t.clone().requires_grad_() for t in inputs]
     got = torch.autograd.grad(torch.compile(loss, backend=counter, fullgraph=True)(*compiled),
                               compiled)
     assert counter.frame_count == 1
@@ -560,6 +578,12 @@ def test_the_op_checks_its_canonical_inputs():
              ((q[0], k, w, None, 3), r"q must be \[B, T, H, D\]"),
              ((q, k[0], w, None, 3), r"k must be \[B, S, D\]"),
              ((q, k, w[0], None, 3), r"weights must be \[B, T, H\]"))
+    assert_op_and_fake_raise(cases)
+
+
+def assert_op_and_fake_raise(cases) -> None:
+    """Each ``(op arguments, message)`` raises ``lightning_indexer: <message>`` from the op on
+    real tensors and from its fake kernel on FakeTensors."""
     for args, message in cases:
         with pytest.raises(RuntimeError, match="^lightning_indexer: " + message):
             op(*args)

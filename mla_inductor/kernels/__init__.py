@@ -62,9 +62,13 @@ sm_scale, d_v, deterministic=False) -> (dq, dkv, d_sink)``
     index (``-0.0`` equals ``+0.0``), a NaN score above +inf. Returns contiguous ``indices
     [B, T, topk]`` int32, the selected keys in ascending key index and then -1, and ``scores
     [B, T, topk]`` float32, each slot's score, 0 on -1 slots. No host synchronisation, no
-    ``[T, S]`` tensor beyond a bounded chunk. ``reference`` has it (``emulate`` runs the
-    reference's); ``auto`` on a CUDA backend without it (or whose ``supports()`` says no) falls
-    back to the reference with the warning.
+    ``[T, S]`` tensor beyond a bounded chunk. With float8_e4m3fn q and k (dispatched with that
+    dtype) the call adds the keywords ``q_scale=`` (``[B, T, H]`` float32 or ``None``: 1) and
+    ``k_scale=`` (``[B, S]`` float32), contiguous, and ``score[t, s] = sum_h weights[t, h] *
+    relu(q_scale[t, h] * k_scale[s] * (q[t, h] . k[s]))``, the fp8 dot accumulated in float32;
+    only a backend whose ``supports()`` accepts that dtype gets them. ``reference`` has it, fp8
+    included (``emulate`` runs the reference's); ``auto`` on a CUDA backend without it (or whose
+    ``supports()`` says no: sm90 for fp8) falls back to the reference with the warning.
 ``lightning_indexer_scores(q, k, weights, indices) -> scores`` (optional)
     The lightning indexer's scores at the selected slots (:mod:`mla_inductor.lightning_scores`):
     ``q [B, T, H, D]`` (bf16/fp16; fp32 on the reference path), ``k [B, S, D]`` q's dtype,

@@ -4,12 +4,17 @@
 DeepSeek-V3.2's lightning indexer (DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context
 Efficiency with DeepSeek Sparse Attention", 2025, section 2.1): per token ``t`` and key ``s``,
 ``score[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s])``, and each token keeps the keys of
-largest score among those it sees.
+largest score among those it sees. Its fp8 form (the indexer of DeepSeek-V3.2-Exp's inference
+code; DeepGEMM's fp8 MQA logits): q and k in float8_e4m3fn with per-row float32 scales,
+``score[t, s] = sum_h weights[t, h] * relu(q_scale[t, h] * k_scale[s] * (q[t, h] . k[s]))``.
 
 Arithmetic: float32 scores, one GEMM per chunk of rows (``[c·H, D]`` queries by the ``[D, S]``
 keys: float32 GEMM of the upcast operands; on a CUDA device with bfloat16 / float16 inputs the
 inputs' own GEMM with float32 output, whose products are exact in float32 either way), ``relu``
-in place, the weighted head sum as a batched ``[1, H] x [H, S]`` product.
+in place, the weighted head sum as a batched ``[1, H] x [H, S]`` product. fp8 inputs are upcast
+to float32 on every device (exact: an e4m3 value has 4 significant bits, so its products are
+exact in float32, and in TF32 too) and each dot is scaled in place, ``(dot * q_scale) *
+k_scale`` in float32, before the ``relu``.
 
 Selection, exact and deterministic (no sort of the row, no data-dependent size, no host
 synchronisation): each score becomes an int32 key whose order is the scores' order (the IEEE
@@ -64,8 +69,10 @@ def _blocks(B: int, T: int, rows: int) -> Iterator[tuple[int, int, int, int]]:
             yield b, b + 1, t0, min(T, t0 + rows)
 
 
-def _scores(q: Tensor, k: Tensor, weights: Tensor) -> Tensor:
-    """``q [n, c, H, D]``, ``k [n, S, D]``, ``weights [n, c, H]`` float32 -> ``[n, c, S]`` float32
+def _scores(q: Tensor, k: Tensor, weights: Tensor, q_scale: Optional[Tensor] = None,
+            k_scale: Optional[Tensor] = None) -> Tensor:
+    """``q [n, c, H, D]``, ``k [n, S, D]``, ``weights [n, c, H]`` float32 (fp8 q and k: with
+    ``q_scale [n, c, H]`` or None and ``k_scale [n, S]`` float32) -> ``[n, c, S]`` float32
     scores."""
     n, c, H, D = q.shape
     S = k.shape[1]
@@ -74,6 +81,11 @@ def _scores(q: Tensor, k: Tensor, weights: Tensor) -> Tensor:
         dots = torch.bmm(rows, k.transpose(1, 2), out_dtype=torch.float32)
     else:
         dots = torch.bmm(rows.float(), k.float().transpose(1, 2))
+    dots = dots.view(n, c, H, S)
+    if q_scale is not None:
+        dots.mul_(q_scale.unsqueeze(-1))
+    if k_scale is not None:
+        dots.mul_(k_scale.view(n, 1, 1, S))
     dots = dots.relu_().view(n * c, H, S)
     return torch.bmm(weights.reshape(n * c, 1, H), dots).view(n, c, S)
 
@@ -123,21 +135,24 @@ def select(scores: Tensor, seen: Optional[Tensor], topk: int) -> tuple[Tensor, T
 
 
 def lightning_indexer(q: Tensor, k: Tensor, weights: Tensor, q_positions: Optional[Tensor],
-                      topk: int) -> tuple[Tensor, Tensor]:
+                      topk: int, *, q_scale: Optional[Tensor] = None,
+                      k_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Reference lightning indexer; see the backend protocol in :mod:`mla_inductor.kernels`.
 
     ``q [B, T, H, D]``, ``k [B, S, D]`` (q's dtype), ``weights [B, T, H]`` float32,
     ``q_positions [B, T]`` int32 or None (causal: key ``s`` is seen by token ``t`` when ``s <=
-    q_positions[b, t]``), ``topk >= 0``. Returns contiguous ``indices [B, T, topk]`` int32
-    (the selected keys in ascending key index, then -1) and ``scores [B, T, topk]`` float32
-    (each slot's score, 0 on -1 slots). Chunked as the module docstring says.
+    q_positions[b, t]``), ``topk >= 0``; with float8_e4m3fn q and k, ``q_scale [B, T, H]``
+    float32 or None (1) and ``k_scale [B, S]`` float32 (module docstring). Returns contiguous
+    ``indices [B, T, topk]`` int32 (the selected keys in ascending key index, then -1) and
+    ``scores [B, T, topk]`` float32 (each slot's score, 0 on -1 slots). Chunked as the module
+    docstring says.
     """
     column = torch.arange(k.shape[1], device=q.device)
 
     def seen(b0, b1, t0, t1):
         return None if q_positions is None else column <= q_positions[b0:b1, t0:t1, None]
 
-    return _run(q, k, weights, topk, seen)
+    return _run(q, k, weights, topk, seen, q_scale, k_scale)
 
 
 def lightning_indexer_seen(q: Tensor, k: Tensor, weights: Tensor, seen: Tensor,
@@ -154,9 +169,11 @@ def lightning_indexer_seen(q: Tensor, k: Tensor, weights: Tensor, seen: Tensor,
     return _run(q, k, weights, topk, block)
 
 
-def _run(q: Tensor, k: Tensor, weights: Tensor, topk: int, seen) -> tuple[Tensor, Tensor]:
+def _run(q: Tensor, k: Tensor, weights: Tensor, topk: int, seen,
+         q_scale: Optional[Tensor] = None,
+         k_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """The chunk loop: ``seen(b0, b1, t0, t1)`` gives a block's ``[b1 - b0, t1 - t0, S]`` bool
-    visibility, or None (every key seen)."""
+    visibility, or None (every key seen); the fp8 scales as :func:`lightning_indexer`'s."""
     B, T, H, _ = q.shape
     S = k.shape[1]
     indices = torch.full((B, T, topk), -1, dtype=torch.int32, device=q.device)
@@ -164,7 +181,9 @@ def _run(q: Tensor, k: Tensor, weights: Tensor, topk: int, seen) -> tuple[Tensor
     if min(topk, S) == 0:
         return indices, values
     for b0, b1, t0, t1 in _blocks(B, T, chunk_rows(H, S, SCORE_BYTES)):
-        scores = _scores(q[b0:b1, t0:t1], k[b0:b1], weights[b0:b1, t0:t1])
+        scores = _scores(q[b0:b1, t0:t1], k[b0:b1], weights[b0:b1, t0:t1],
+                         None if q_scale is None else q_scale[b0:b1, t0:t1],
+                         None if k_scale is None else k_scale[b0:b1])
         visible = seen(b0, b1, t0, t1)
         idx, val = select(scores.view(-1, S), None if visible is None else visible.reshape(-1, S),
                           topk)

@@ -57,9 +57,13 @@ def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tupl
     ``d_qk`` in :data:`INDEXER_D_QK` and at most :data:`INDEXER_MAX_HEADS` heads (one CTA holds
     all the heads of a token). The lightning indexer (``"lightning_indexer"``, ``d_qk`` = its
     head dim D) takes D = :data:`LIGHTNING_D` and 1 to :data:`LIGHTNING_MAX_HEADS` index heads,
-    causal or not. The lightning indexer's scores at the selected slots
+    causal or not, in bf16/fp16 only: there is no float8_e4m3fn kernel yet (``auto`` runs the
+    reference for fp8 q and k). The lightning indexer's scores at the selected slots
     (``"lightning_indexer_scores"`` and ``"lightning_indexer_scores_bwd"``, ``d_qk`` = D) take
     the same D and head counts, every B, T, S and topk."""
+    if direction == "lightning_indexer" and dtype == torch.float8_e4m3fn:
+        return False, ("sm90 has no float8_e4m3fn lightning indexer kernel yet (the reference "
+                       "backend runs fp8 q and k)")
     if dtype not in (torch.bfloat16, torch.float16):
         return False, f"sm90 kernels take bfloat16 or float16, got {dtype}"
     if direction == "indexer_target":
