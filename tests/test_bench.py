@@ -66,7 +66,7 @@ def test_cli_exits_with_reason_without_sm90(what):
         cli.main([what, "--T", "128"])
     # the subcommands with a CPU smoke test say so
     assert ("--tiny runs a small smoke test on the CPU" in str(exited.value)) == (
-        what in ("hf", "dist", "start", "lightning"))
+        what in ("hf", "hf-v4", "dist", "start", "lightning"))
 
 
 def test_lightning_tiny_runs_the_op_and_agreement_counts_shared_keys(capsys):
@@ -252,6 +252,78 @@ def test_hf_tiny_layer_modes_agree(monkeypatch):
     for mode in ("sdpa", "patched"):
         assert rel_l2(found[mode][0], out) <= 1e-5, mode
         assert rel_l2(found[mode][1], grad) <= 1e-4, mode
+
+
+def test_hf_v4_tiny_prints_every_row_and_breakdown_on_the_cpu(capsys):
+    pytest.importorskip("transformers.models.deepseek_v4")
+    cli.main(["hf-v4", "--tiny", "--T", "64", "--warmup", "1", "--iters", "2", "--breakdown"])
+    out = capsys.readouterr().out
+    tables = out.split("# One transformers DeepseekV4Attention layer, ")[1:]
+    assert [t.split(",")[0] for t in tables] == ["CSA", "HCA"]
+    for table in tables:
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in
+                table.splitlines()[3:]]
+        assert [r[1].split(",")[0] for r in rows] == ["eager", "patched", "patched"]
+        assert float(rows[0][2]) > 0 and re.fullmatch(r"\d+\.\d\dx", rows[0][4])
+        parts = dict(re.findall(r"([a-z]+) (-?\d+\.\d)", rows[2][1].split("ms:")[1]))
+        assert set(parts) >= {"compressors", "indexer", "attention", "projections", "busy"}
+        assert float(parts["compressors"]) > 0 and float(parts["attention"]) > 0
+    # only the CSA layer has an indexer
+    indexer = [float(re.search(r"indexer (\d+\.\d)", t)[1]) for t in tables]
+    assert indexer[0] > 0 and indexer[1] == 0
+
+
+def test_hf_v4_tiny_modes_agree():
+    """The tiny V4 layers' output and input gradient, patched against eager (float32, the
+    integration's tolerances); FlexAttention's forward on the patched layer's slots against the
+    op's (FlexAttention has no CPU backward, nor an lse there: no sink in this check)."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    from mla_inductor import sparse_mla
+    from mla_inductor.bench import flex, hf_v4
+    from mla_inductor.integrations.transformers import deepseek_v4
+
+    for layer in hf_v4.LAYER_TYPES.values():
+        attn, rotary = hf_v4.build_layer(layer, hf_v4.TINY, torch.device("cpu"), torch.float32,
+                                         rope_dim=16)
+        inputs = hf_v4.make_inputs(attn, rotary, 128)
+        found, calls = {}, []
+        for mode in ("eager", "patched"):
+            with hf_v4.layer_mode(attn, mode):
+                op = deepseek_v4.sparse_mla
+                deepseek_v4.sparse_mla = lambda *a, **k: calls.append((a, k)) or op(*a, **k)
+                try:
+                    out, _ = attn(hidden_states=inputs.hidden_states,
+                                  position_embeddings=inputs.position_embeddings,
+                                  position_ids=inputs.position_ids,
+                                  attention_mask=hf_v4.layer_mask(attn, inputs, mode))
+                finally:
+                    deepseek_v4.sparse_mla = op
+            grad, = torch.autograd.grad(out, inputs.hidden_states, inputs.grad_output)
+            found[mode] = out.detach(), grad
+        assert len(calls) == 1
+        assert rel_l2(found["patched"][0], found["eager"][0]) <= 1e-5, layer
+        assert rel_l2(found["patched"][1], found["eager"][1]) <= 1e-4, layer
+        (q, kv, indices), kwargs = calls[0]
+        q, kv, kwargs = q.detach(), kv.detach(), dict(kwargs, attn_sink=None)
+        with torch.no_grad():
+            ours = sparse_mla(q, kv, indices, **kwargs)
+            theirs = flex.flex_sparse_mla(q, kv, indices, **kwargs)
+        assert rel_l2(theirs, ours) <= 1e-5, layer
+
+
+def test_flex_selection_bitmap_names_exactly_the_valid_slots():
+    from mla_inductor.bench.flex import selection_bitmap
+
+    S = 70
+    indices = torch.tensor([[[0, 31, 32, 69, -1, 5], [69, 68, 40, 3, 2, 1]]], dtype=torch.int32)
+    length = torch.tensor([[4, 2]], dtype=torch.int32)
+    words = selection_bitmap(indices, length, S)
+    assert words.shape == (1, 2, 3) and words.dtype == torch.int32
+    bits = ((words[..., None].long() >> torch.arange(32)) & 1).flatten(-2)[..., :S].bool()
+    want = torch.zeros(1, 2, S, dtype=torch.bool)
+    want[0, 0, [0, 31, 32, 69]] = True
+    want[0, 1, [68, 69]] = True
+    assert torch.equal(bits, want)
 
 
 @pytest.mark.cuda

@@ -1,5 +1,5 @@
 """The command ``python -m mla_inductor.bench
-{fwd,bwd,train,indexer,lightning,lightning-scores,hf,dist,start} [flags]``: one argument parser
+{fwd,bwd,train,indexer,lightning,lightning-scores,hf,hf-v4,dist,start} [flags]``: one argument parser
 with a subcommand per benchmark module (:data:`SUBCOMMANDS`); ``--help`` works at every level."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from . import bwd, dist, fwd, hf, indexer, lightning, lightning_scores, start, train
+from . import bwd, dist, fwd, hf, hf_v4, indexer, lightning, lightning_scores, start, train
 
 SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer": indexer,
-               "lightning": lightning, "lightning-scores": lightning_scores, "hf": hf,
+               "lightning": lightning, "lightning-scores": lightning_scores, "hf": hf, "hf-v4": hf_v4,
                "dist": dist, "start": start}
 
 
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     long explanation is written out for users), its flags the module's ``add_arguments``."""
     parser = argparse.ArgumentParser(
         prog="python -m mla_inductor.bench",
-        description="Benchmarks of the sparse-MLA kernels on the current GPU (SM90); hf, dist "
+        description="Benchmarks of the sparse-MLA kernels on the current GPU (SM90); hf, hf-v4, dist "
         "and start also run a small smoke test on the CPU with --tiny. Each subcommand prints a "
         "markdown table; `<subcommand> --help` lists its flags.",
     )

@@ -184,22 +184,24 @@ CATEGORIES = (
 )
 
 
-def category(event) -> str:
-    """The category (:data:`CATEGORIES`, else ``other``) of a profiler ``FunctionEvent``: the
-    first category with an op of its prefixes on the event's stack, innermost first, where the
-    indexer's and the attention's ops outrank the GEMMs they launch."""
+def category(event, categories=CATEGORIES) -> str:
+    """The category (of ``categories``, :data:`CATEGORIES` by default, else ``other``) of a
+    profiler ``FunctionEvent``: the first category with an op of its prefixes on the event's
+    stack, innermost first, where the indexer's and the attention's ops outrank the GEMMs they
+    launch."""
     stack = []
     while event is not None:
         stack.append(event.name)
         event = event.cpu_parent
-    for name, prefixes in CATEGORIES:
+    for name, prefixes in categories:
         if any(op.startswith(prefixes) for op in stack):
             return name
     return "other"
 
 
-def breakdown(step, device: torch.device, wall_ms: float) -> dict:
-    """Milliseconds of one ``step()`` per :data:`CATEGORIES` (and ``other``), from one
+def breakdown(step, device: torch.device, wall_ms: float, categories=CATEGORIES) -> dict:
+    """Milliseconds of one ``step()`` per category of ``categories`` (:data:`CATEGORIES` by
+    default; and ``other``), from one
     ``torch.profiler`` trace after a warm call: on CUDA the kernels' durations (each kernel counted
     for the op that launched it), on the CPU the ops' self times; ``busy`` is their sum, and
     ``idle = wall_ms - busy`` (``wall_ms``: the step's median time without the profiler; kernels
@@ -213,14 +215,14 @@ def breakdown(step, device: torch.device, wall_ms: float) -> dict:
         step()
         if cuda:
             torch.cuda.synchronize()
-    totals = {name: 0.0 for name, _ in CATEGORIES} | {"other": 0.0}
+    totals = {name: 0.0 for name, _ in categories} | {"other": 0.0}
     for event in prof.events():
         if cuda:
             us = sum(k.duration for k in event.kernels)
         else:
             us = event.self_cpu_time_total
         if us:
-            totals[category(event)] += us / 1e3
+            totals[category(event, categories)] += us / 1e3
     totals["busy"] = sum(totals.values())
     totals["idle"] = wall_ms - totals["busy"]
     return totals
