@@ -14,6 +14,7 @@ Blocks fenced as anything but ``python`` (``bash``, ``text``) are not run.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -77,6 +78,23 @@ def test_markers_are_known():
 def test_every_doc_has_blocks_found():
     assert any(p.name == "README.md" for p, *_ in BLOCKS)
     assert len(BLOCKS) >= 8, [(p.name, line) for p, line, *_ in BLOCKS]
+
+
+def imports(src: str) -> list[str]:
+    """Every import statement of ``src``, unparsed (``from a import b as c``), in order."""
+    return [ast.unparse(node) for node in ast.walk(ast.parse(src))
+            if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def test_imports_catches_a_repeated_import():
+    src = "import torch\nfrom a import b as c\nx = 1\nfrom a import b as c\n"
+    assert imports(src) == ["import torch", "from a import b as c", "from a import b as c"]
+
+
+def test_no_block_imports_a_name_twice():
+    repeated = [(p.name, line, stmt) for p, line, _, src in BLOCKS
+                for stmt in set(imports(src)) if imports(src).count(stmt) > 1]
+    assert repeated == []
 
 
 @pytest.mark.parametrize(
