@@ -80,6 +80,14 @@ def test_every_doc_has_blocks_found():
     assert len(BLOCKS) >= 8, [(p.name, line) for p, line, *_ in BLOCKS]
 
 
+def test_fences_have_three_backticks():
+    """An opening or closing fence of one or two backticks renders as text, not as a block."""
+    short = re.compile(r"^`{1,2}\w*\s*$")
+    found = [(p.name, n) for p in DOCS for n, text in enumerate(p.read_text().splitlines(), 1)
+             if short.match(text)]
+    assert found == []
+
+
 def imports(src: str) -> list[str]:
     """Every import statement of ``src``, unparsed (``from a import b as c``), in order."""
     return [ast.unparse(node) for node in ast.walk(ast.parse(src))
