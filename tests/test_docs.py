@@ -88,6 +88,33 @@ def test_fences_have_three_backticks():
     assert found == []
 
 
+COUNTS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5}
+
+
+def counted_headings(path: Path) -> list[tuple[int, int, list[str]]]:
+    """``(line, the count a heading names, the commands of the block after it)`` for every
+    heading of ``path`` that names a number of commands ("## Three commands on ..."); the
+    commands are the block's lines that are neither blank nor comments."""
+    lines = path.read_text().splitlines()
+    found = []
+    for n, text in enumerate(lines):
+        m = re.match(r"^#+ (\w+) commands\b", text, re.IGNORECASE)
+        if not m or m.group(1).lower() not in COUNTS:
+            continue
+        start = next(j for j in range(n + 1, len(lines)) if FENCE.match(lines[j]))
+        end = next(j for j in range(start + 1, len(lines)) if lines[j].startswith("```"))
+        commands = [c for c in lines[start + 1:end] if c.strip() and not c.startswith("#")]
+        found.append((n + 1, COUNTS[m.group(1).lower()], commands))
+    return found
+
+
+def test_a_heading_that_counts_commands_shows_as_many():
+    found = [(p.name, *h) for p in DOCS for h in counted_headings(p)]
+    assert any(name == "README.md" for name, *_ in found)
+    assert [(name, line, count) for name, line, count, commands in found
+            if len(commands) != count] == []
+
+
 def imports(src: str) -> list[str]:
     """Every import statement of ``src``, unparsed (``from a import b as c``), in order."""
     return [ast.unparse(node) for node in ast.walk(ast.parse(src))
