@@ -9,7 +9,9 @@ milliseconds, TFLOPS on the causal score FLOPs ``T·S/2·H·D·2``, the peak mem
 allocates on top of its inputs, and the agreement of the two selections: the fraction of cuDNN's
 keys that ours also selects, over the last rows (they see the most keys). cuDNN is given
 ``sm_scale = D**-0.5`` and ours the same scale folded into the weights (``relu(a·x) = a·relu(x)``
-for ``a > 0``). ``--tiny`` runs small problems on the CPU (the reference backend), without cuDNN.
+for ``a > 0``). ``--tiny`` runs small problems on the CPU (the reference backend), without cuDNN:
+the median of ``--rounds`` calls, each timed alone, after one untimed call (the first call of
+the op costs far more than the next ones).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from .indexer import peak_bytes
 from .problems import require_sm90
-from .timing import time_ms_interleaved
+from .timing import time_ms_calls, time_ms_interleaved
 
 AGREEMENT_ROWS = 256  # rows of the selection compared with cuDNN's (the last ones)
 
@@ -58,7 +60,11 @@ def agreement(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 def bench_lightning(Ts, H: int, D: int, topk: int, tiny: bool = False, rounds: int = 5) -> None:
     """Prints the table of the module docstring for token counts ``Ts``; ``tiny``: on the CPU in
-    float32, ours alone."""
+    float32, ours alone. ``rounds``: the interleaved rounds on the GPU; with ``tiny``, the timed
+    calls (milliseconds: their median, after one untimed call).
+
+    Raises:
+        ValueError: ``rounds < 1`` with ``tiny``."""
     import mla_inductor
 
     device = torch.device("cpu" if tiny else "cuda")
@@ -79,11 +85,7 @@ def bench_lightning(Ts, H: int, D: int, topk: int, tiny: bool = False, rounds: i
             q, k, weights * scale, topk, causal=True)
         flops = T * T / 2 * H * D * 2
         if tiny:
-            import time
-
-            start = time.perf_counter()
-            ours()
-            ms = (time.perf_counter() - start) * 1e3
+            ms = time_ms_calls(ours, warmup=1, calls=rounds, device=device)
             print(f"| {T} | {ms:.1f} | {flops / ms / 1e9:.3f} | - | - | - | - | - | - |")
             continue
         fns = {"ours": ours}
@@ -135,14 +137,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topk", type=int, default=None,
                         help="keys selected per token; default: 2048 (with --tiny: 16)")
     parser.add_argument("--rounds", type=int, default=5,
-                        help="interleaved timing rounds; default: 5")
+                        help="interleaved timing rounds (with --tiny: timed calls, after one "
+                             "untimed call); default: 5")
     parser.add_argument("--tiny", action="store_true",
                         help="small problems on the CPU (reference backend): a smoke run")
 
 
 def run(args: argparse.Namespace) -> None:
     """Runs the subcommand for parsed flags (:func:`add_arguments`). Exits with a message when the
-    sm90 kernels cannot run here (unless ``--tiny``)."""
+    sm90 kernels cannot run here (unless ``--tiny``), or when ``--rounds`` is below 1."""
+    if args.rounds < 1:
+        raise SystemExit(f"mla_inductor: bench lightning needs --rounds >= 1, got {args.rounds}")
     if not args.tiny:
         require_sm90("lightning indexer", tiny=True)
     tiny = args.tiny
