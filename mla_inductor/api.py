@@ -23,7 +23,8 @@ def _require(cond: bool, message, op: str = "sparse_mla") -> None:
     """A check of the Python argument types, which the op's schema needs before it can be called
     (a plain raise; under torch.compile Dynamo reports it as an observed exception). Layouts,
     shapes and dtypes are checked by the entry op (:mod:`mla_inductor.validation`), whose
-    messages come first in the error at trace time. ``message`` is a string or, where it formats
+    messages end the second line of Dynamo's error at trace time (docs/api.md, "What a compiled
+    caller sees"). ``message`` is a string or, where it formats
     a value that may be symbolic under ``torch.compile`` (a size, a Python int argument), a
     function returning one, called only on failure (Dynamo cannot trace the formatting of a
     symbolic value, and must not see a size turned into a constant). ``op`` prefixes the

@@ -37,15 +37,15 @@ _warned: set[tuple[str, str]] = set()  # (direction, reason) pairs already warne
 FLOAT32_DIRECTIONS = frozenset(("indexer_kl", "indexer_kl_bwd"))
 
 
-def _check_name(name: str) -> str:
+def _check_name(name: str, where: str) -> str:
+    """``name`` if it is one of :data:`NAMES`; ``where`` (what named it) leads the error."""
     if name not in NAMES:
         raise ValueError(
-            f"sparse_mla: unknown mla_inductor backend {name!r}; choose one of {', '.join(NAMES)}"
+            f"{where}: unknown mla_inductor backend {name!r}; choose one of {', '.join(NAMES)}"
         )
     return name
 
 
-@contextlib.contextmanager
 def use_backend(name: str):
     """Context manager selecting the backend for the sparse-MLA ops run inside it.
 
@@ -59,17 +59,24 @@ def use_backend(name: str):
         name: one of ``auto``, ``reference``, ``emulate``, ``sm90``, ``sm100``.
 
     Raises:
-        ValueError: for an unknown name. RuntimeError: when entered inside a function that
-            ``torch.compile`` traces. A known backend that cannot run on the tensors' device
-            raises ``RuntimeError`` (naming what is missing) when an op runs.
+        ValueError: for an unknown name, when ``use_backend(name)`` is called (before its block
+            is entered); the message starts ``use_backend:``. RuntimeError: when entered inside
+            a function that ``torch.compile`` traces. A known backend that cannot run on the
+            tensors' device raises ``RuntimeError`` (naming what is missing) when an op runs.
     """
+    return _use_backend(_check_name(name, "use_backend"))
+
+
+@contextlib.contextmanager
+def _use_backend(name: str):
+    """:func:`use_backend`'s context manager, for a checked ``name``."""
     if torch.compiler.is_compiling():
         raise RuntimeError(
             "sparse_mla: use_backend() cannot be entered inside a compiled function; enter it "
             "around the call of the compiled function (the backend is chosen when the compiled "
             "code runs)"
         )
-    token = _override.set(_check_name(name))
+    token = _override.set(name)
     try:
         yield
     finally:
@@ -80,12 +87,13 @@ def requested() -> str:
     """The backend name in force: the innermost :func:`use_backend`, else the environment.
 
     Raises:
-        ValueError: when ``MLA_INDUCTOR_BACKEND`` names no backend.
+        ValueError: when ``MLA_INDUCTOR_BACKEND`` names no backend (the message starts with the
+            variable's name).
     """
     name = _override.get()
-    if name is None:
-        name = os.environ.get(ENV_VAR, "auto").strip() or "auto"
-    return _check_name(name)
+    if name is not None:
+        return name
+    return _check_name(os.environ.get(ENV_VAR, "auto").strip() or "auto", ENV_VAR)
 
 
 def module(name: str) -> ModuleType:
@@ -94,7 +102,8 @@ def module(name: str) -> ModuleType:
     Raises:
         ValueError: for an unknown name; ImportError when the module cannot be imported.
     """
-    return importlib.import_module(f"mla_inductor.kernels.{_check_name(name)}")
+    return importlib.import_module(
+        f"mla_inductor.kernels.{_check_name(name, 'mla_inductor.backends.module')}")
 
 
 def _supports(candidate: ModuleType, dtype, direction: str, dims) -> tuple[bool, str]:

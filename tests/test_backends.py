@@ -31,13 +31,19 @@ def test_env_var_and_context_manager(monkeypatch):
     assert backends.requested() == "reference"
 
 
-def test_unknown_name_is_rejected(monkeypatch):
-    with pytest.raises(ValueError, match="unknown mla_inductor backend 'fast'"):
-        with use_backend("fast"):
-            pass
+def test_unknown_name_is_rejected_by_its_source(monkeypatch):
+    """``use_backend("cuda")`` raises when called, before any block is entered, and names
+    ``use_backend``; a bad environment variable is named when an op reads it."""
+    with pytest.raises(ValueError) as info:
+        use_backend("cuda")
+    assert str(info.value) == ("use_backend: unknown mla_inductor backend 'cuda'; choose one of "
+                               "auto, reference, emulate, sm90, sm100")
     monkeypatch.setenv(backends.ENV_VAR, "triton")
-    with pytest.raises(ValueError, match="unknown mla_inductor backend 'triton'"):
+    with pytest.raises(ValueError, match="^MLA_INDUCTOR_BACKEND: unknown mla_inductor backend "
+                                         "'triton'"):
         backends.requested()
+    with use_backend("reference"):  # a use_backend in force: the environment is not read
+        assert backends.requested() == "reference"
 
 
 @pytest.mark.parametrize("name", ["sm90", "sm100"])

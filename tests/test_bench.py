@@ -107,6 +107,30 @@ def test_lightning_tiny_fp8_reports_the_recall_of_the_float_selection(capsys):
     assert got == pytest.approx(kept / total, abs=1e-5) and 0.9 < got < 1
 
 
+def test_lightning_tiny_warms_up_and_times_rounds_calls(capsys, monkeypatch):
+    """``lightning --tiny --rounds 3``: per T one untimed call, then 3 timed ones; a first call
+    of 0.5 s (the op's first call is the slow one) stays out of the first row."""
+    import mla_inductor
+
+    calls = []
+    op = mla_inductor.lightning_indexer
+
+    def slow_first_call(*args, **kwargs):
+        if not calls:
+            time.sleep(0.5)
+        calls.append(args[0].shape[0])
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(mla_inductor, "lightning_indexer", slow_first_call)
+    cli.main(["lightning", "--tiny", "--T", "64", "96", "--rounds", "3"])
+    assert calls == [64] * 4 + [96] * 4
+    first = next(line for line in capsys.readouterr().out.splitlines()
+                 if line.startswith("| 64 |"))
+    assert 0 < float(first.split(" | ")[1]) < 250
+    with pytest.raises(SystemExit, match="needs --rounds >= 1, got 0"):
+        cli.main(["lightning", "--tiny", "--rounds", "0"])
+
+
 def test_start_tiny_times_three_fresh_processes(capsys):
     """``start --tiny``: three fresh interpreters (cold, warm, warm again) each time their phases;
     the optimizer's construction imports torch._dynamo (not before it), and the reference

@@ -14,6 +14,7 @@ Blocks fenced as anything but ``python`` (``bash``, ``text``) are not run.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -77,6 +78,73 @@ def test_markers_are_known():
 def test_every_doc_has_blocks_found():
     assert any(p.name == "README.md" for p, *_ in BLOCKS)
     assert len(BLOCKS) >= 8, [(p.name, line) for p, line, *_ in BLOCKS]
+
+
+def test_fences_have_three_backticks():
+    """An opening or closing fence of one or two backticks renders as text, not as a block."""
+    short = re.compile(r"^`{1,2}\w*\s*$")
+    found = [(p.name, n) for p in DOCS for n, text in enumerate(p.read_text().splitlines(), 1)
+             if short.match(text)]
+    assert found == []
+
+
+COUNTS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5}
+
+
+def counted_headings(path: Path) -> list[tuple[int, int, list[str]]]:
+    """``(line, the count a heading names, the commands of the block after it)`` for every
+    heading of ``path`` that names a number of commands ("## Three commands on ..."); the
+    commands are the block's lines that are neither blank nor comments."""
+    lines = path.read_text().splitlines()
+    found = []
+    for n, text in enumerate(lines):
+        m = re.match(r"^#+ (\w+) commands\b", text, re.IGNORECASE)
+        if not m or m.group(1).lower() not in COUNTS:
+            continue
+        start = next(j for j in range(n + 1, len(lines)) if FENCE.match(lines[j]))
+        end = next(j for j in range(start + 1, len(lines)) if lines[j].startswith("```"))
+        commands = [c for c in lines[start + 1:end] if c.strip() and not c.startswith("#")]
+        found.append((n + 1, COUNTS[m.group(1).lower()], commands))
+    return found
+
+
+def test_a_heading_that_counts_commands_shows_as_many():
+    found = [(p.name, *h) for p in DOCS for h in counted_headings(p)]
+    assert any(name == "README.md" for name, *_ in found)
+    assert [(name, line, count) for name, line, count, commands in found
+            if len(commands) != count] == []
+
+
+def torch_installs(text: str) -> list[tuple[str, str]]:
+    """``(version, index URL or "")`` of every ``pip install ... torch==<version>`` line."""
+    return re.findall(r"pip install (?:-q )?torch==(\S+)(?: --index-url (\S+))?", text)
+
+
+def test_readme_installs_the_cpu_build_that_ci_tests():
+    """Without a GPU the README's torch line is the CPU build .ci/run installs (the default build
+    is the CUDA one, about 5 GB), and its GPU line is the same version from the default index."""
+    cpu_index = "https://download.pytorch.org/whl/cpu"
+    readme = torch_installs((ROOT / "README.md").read_text())
+    ci = torch_installs((ROOT / ".ci" / "run").read_text())
+    assert len(ci) == 1 and ci[0][1] == cpu_index
+    assert readme == [ci[0], (ci[0][0], "")]
+
+
+def imports(src: str) -> list[str]:
+    """Every import statement of ``src``, unparsed (``from a import b as c``), in order."""
+    return [ast.unparse(node) for node in ast.walk(ast.parse(src))
+            if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def test_imports_catches_a_repeated_import():
+    src = "import torch\nfrom a import b as c\nx = 1\nfrom a import b as c\n"
+    assert imports(src) == ["import torch", "from a import b as c", "from a import b as c"]
+
+
+def test_no_block_imports_a_name_twice():
+    repeated = [(p.name, line, stmt) for p, line, _, src in BLOCKS
+                for stmt in set(imports(src)) if imports(src).count(stmt) > 1]
+    assert repeated == []
 
 
 @pytest.mark.parametrize(

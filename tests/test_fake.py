@@ -92,7 +92,7 @@ def test_bad_input_raises_in_eager(case):
     assert str(info.value).startswith("sparse_mla: ")
 
 
-# The message is on the second line of Dynamo's error (its "Explanation"), raised while Dynamo
+# The message ends the second line of Dynamo's error (its "Explanation"), raised while Dynamo
 # runs the entry op on FakeTensors; the argument-type checks of the Python wrapper come out of
 # Dynamo's "observed exception" report, further down.
 _WRAPPER_CHECKS = ("q not a tensor", "sm_scale tensor", "d_v tensor", "threshold tensor", "d_v float")
@@ -109,6 +109,27 @@ def test_bad_input_raises_at_trace_time(case):
         compiled(*args)
     if case not in _WRAPPER_CHECKS:
         assert "sparse_mla:" in str(info.value).splitlines()[1]
+
+
+def test_what_a_compiled_caller_sees():
+    """docs/api.md's account: a RuntimeError whose first line is Dynamo's and whose second ends
+    with our message; under ``set_stance("force_eager")`` our RuntimeError alone."""
+    q, kv, idx = _good()
+    message = "sparse_mla: mismatched d_qk: q has 32, kv has 16"
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: sparse_mla(*a, d_v=16), backend="eager", fullgraph=True)
+    with pytest.raises(RuntimeError) as info:
+        compiled(q, kv[:, :16], idx)
+    lines = str(info.value).splitlines()
+    assert type(info.value).__name__ == "TorchRuntimeError"
+    assert lines[0] == "RuntimeError when making fake tensor call"
+    assert lines[1].startswith("  Explanation: Dynamo failed to run FX node with fake tensors: "
+                               "call_function mla_inductor.sparse_mla(*(FakeTensor(")
+    assert lines[1].endswith(f"got RuntimeError({message!r})")
+    assert "from user code:" in lines
+    with torch.compiler.set_stance("force_eager"), pytest.raises(RuntimeError) as info:
+        compiled(q, kv[:, :16], idx)
+    assert type(info.value) is RuntimeError and str(info.value) == message
 
 
 def test_fake_kernel_checks_the_op_directly():

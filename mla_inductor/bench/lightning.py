@@ -9,7 +9,9 @@ milliseconds, TFLOPS on the causal score FLOPs ``T·S/2·H·D·2``, the peak mem
 allocates on top of its inputs, and the agreement of the two selections: the fraction of cuDNN's
 keys that ours also selects, over the last rows (they see the most keys). cuDNN is given
 ``sm_scale = D**-0.5`` and ours the same scale folded into the weights (``relu(a·x) = a·relu(x)``
-for ``a > 0``). ``--tiny`` runs small problems on the CPU (the reference backend), without cuDNN.
+for ``a > 0``). ``--tiny`` runs small problems on the CPU (the reference backend), without cuDNN:
+the median of ``--rounds`` calls, each timed alone, after one untimed call (the first call of
+the op costs far more than the next ones).
 
 ``--fp8``: the fp8 indexer of DeepSeek-V3.2-Exp's inference code. q and k are quantised per row
 by :func:`mla_inductor.quantize_fp8` (``q_scale [T, H]``, ``k_scale [S]`` float32) and the weights
@@ -30,7 +32,7 @@ import torch
 
 from .indexer import peak_bytes
 from .problems import require_sm90
-from .timing import time_ms_interleaved
+from .timing import time_ms_calls, time_ms_interleaved
 
 AGREEMENT_ROWS = 256  # rows of the selection compared with cuDNN's (the last ones)
 
@@ -106,7 +108,12 @@ def _calls(q, k, weights, topk: int, fp8: bool, anchor):
 def bench_lightning(Ts, H: int, D: int, topk: int, tiny: bool = False, rounds: int = 5,
                     fp8: bool = False) -> None:
     """Prints the table of the module docstring for token counts ``Ts``; ``tiny``: on the CPU in
-    float32, ours alone; ``fp8``: the fp8 indexer, with the recall of the bf16 selection."""
+    float32, ours alone; ``fp8``: the fp8 indexer, with the recall of the bf16 selection.
+    ``rounds``: the interleaved rounds on the GPU; with ``tiny``, the timed calls (milliseconds:
+    their median, after one untimed call).
+
+    Raises:
+        ValueError: ``rounds < 1`` with ``tiny``."""
     device = torch.device("cpu" if tiny else "cuda")
     dtype = torch.float32 if tiny else torch.bfloat16
     anchor = None if tiny else _cudnn()
@@ -127,11 +134,7 @@ def bench_lightning(Ts, H: int, D: int, topk: int, tiny: bool = False, rounds: i
         recall = [f"{agreement(ours()[rows], bf16()[rows]):.5f}"] if fp8 else []
         flops = T * T / 2 * H * D * 2
         if tiny:
-            import time
-
-            start = time.perf_counter()
-            ours()
-            ms = (time.perf_counter() - start) * 1e3
+            ms = time_ms_calls(ours, warmup=1, calls=rounds, device=device)
             print(f"| {T} | {ms:.1f} | {flops / ms / 1e9:.3f} | - | - | - | - | - | - |"
                   + "".join(f" {c} |" for c in recall))
             continue
@@ -174,7 +177,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topk", type=int, default=None,
                         help="keys selected per token; default: 2048 (with --tiny: 16)")
     parser.add_argument("--rounds", type=int, default=5,
-                        help="interleaved timing rounds; default: 5")
+                        help="interleaved timing rounds (with --tiny: timed calls, after one "
+                             "untimed call); default: 5")
     parser.add_argument("--tiny", action="store_true",
                         help="small problems on the CPU (reference backend): a smoke run")
     parser.add_argument("--fp8", action="store_true",
@@ -184,7 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Runs the subcommand for parsed flags (:func:`add_arguments`). Exits with a message when the
-    sm90 kernels cannot run here (unless ``--tiny``)."""
+    sm90 kernels cannot run here (unless ``--tiny``), or when ``--rounds`` is below 1."""
+    if args.rounds < 1:
+        raise SystemExit(f"mla_inductor: bench lightning needs --rounds >= 1, got {args.rounds}")
     if not args.tiny:
         require_sm90("lightning indexer", tiny=True)
     tiny = args.tiny
