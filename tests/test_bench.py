@@ -54,7 +54,7 @@ def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
     run = [sys.executable, "-m", "mla_inductor.bench"]
     shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0
-    assert "{fwd,bwd,train,indexer,lightning,lightning-scores,hf,dist,start}" in shown.stdout
+    assert "{fwd,bwd,train,indexer,lightning,lightning-scores,hf,hf-v4,dist,start}" in shown.stdout
     wrong = subprocess.run([*run, "fw"], capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "invalid choice: 'fw'" in wrong.stderr
 

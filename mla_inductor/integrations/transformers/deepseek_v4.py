@@ -124,11 +124,12 @@ def _indexer_topk(indexer: nn.Module, hidden_states: Tensor, q_residual: Tensor,
     -1), on :func:`mla_inductor.lightning_indexer`: ``sum_h w[t, h] · relu(q[t, h] · k[j])``
     with ``w = weights_proj(x) · index_n_heads**-0.5 · softmax_scale`` (the scale folded into the
     head weights: ``relu(a·x) = a·relu(x)`` for ``a > 0``), over the entries ``j < (p + 1) //
-    m`` (``p`` the token's ``position_ids``). The indexer's compressed keys are pooled (and cached)
-    with grad where grad is enabled, as in transformers; the selection itself has none."""
+    m`` (``p`` the token's ``position_ids``). All of it runs without grad: in transformers no
+    gradient reaches the indexer either (its top-k has none), so only its memory differs."""
     B, T, _ = hidden_states.shape
-    keys = _pool(indexer, "indexer", hidden_states, cache_layer, indexer.head_dim, overlap=True)
     with torch.no_grad():
+        keys = _pool(indexer, "indexer", hidden_states, cache_layer, indexer.head_dim,
+                     overlap=True)
         cos, sin = indexer.rotary_emb(hidden_states, position_ids=position_ids,
                                       layer_type=indexer.rope_layer_type)
         q = indexer.q_b_proj(q_residual).view(B, T, indexer.num_heads, indexer.head_dim)
@@ -137,7 +138,7 @@ def _indexer_topk(indexer: nn.Module, hidden_states: Tensor, q_residual: Tensor,
         w = scorer.weights_proj(hidden_states).float() * (scorer.weights_scaling
                                                           * scorer.softmax_scale)
         seen_last = (position_ids + 1) // indexer.compress_rate - 1
-        return lightning_indexer(q, keys.detach().to(q.dtype), w,
+        return lightning_indexer(q, keys.to(q.dtype), w,
                                  min(indexer.index_topk, keys.shape[1]), causal=True,
                                  q_positions=seen_last.expand(B, T))
 
