@@ -65,7 +65,7 @@ NO_INDEXER_LOSS = (
     "DeepSeek-V3.2's KL over selected tokens; transformers' V4 trains no indexer loss either. "
     "Call apply(model) without it"
 )
-_CSA, _HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+_CSA = "compressed_sparse_attention"
 
 
 def _pool(module: nn.Module, name: str, hidden_states: Tensor, cache_layer, head_dim: int,
