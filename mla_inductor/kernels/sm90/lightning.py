@@ -6,9 +6,9 @@ the row may see (the op :mod:`mla_inductor.lightning_indexer`)::
     buf[r - r0, s] = sum_h weights[b, t, h] * relu(q[b, t, h, :] . k[b, s, :])      (fp32)
 
 (in fp8, ``relu((q[b, t, h, :] . k[b, s, :]) * q_scale[b, t, h] * k_scale[b, s])``: the section
-"fp8" below) into a bounded buffer ``buf [r1 - r0, ld]`` that the top-k select (:mod:`.topk`) reads. Entries
-at ``s >= row_len[r]`` are unspecified (the select never reads them); keys past the chunk's
-visible range in whole 64-key blocks are not computed at all.
+"fp8" below) into a bounded buffer ``buf [r1 - r0, ld]`` that the top-k select (:mod:`.topk`)
+reads. Entries at ``s >= row_len[r]`` are unspecified (the select never reads them); keys past
+the chunk's visible range in whole 64-key blocks are not computed at all.
 
 Design (decisions, in the order they were taken)
 -------------------------------------------------
