@@ -1,7 +1,8 @@
 """Our Hopper (SM90a) sparse-MLA kernels, written in CuTe DSL (backend protocol of
 :mod:`mla_inductor.kernels`). The forward's kernel is in :mod:`.fwd`, the backward's in
 :mod:`.bwd`, the indexer's training target in :mod:`.indexer`, the lightning indexer's scores in
-:mod:`.lightning`; each has its launcher (argument checks, compile key, kernel cache, launch) in
+:mod:`.lightning` (bf16 / fp16, and float8_e4m3fn with its scales: compiles, not yet run on
+hardware); each has its launcher (argument checks, compile key, kernel cache, launch) in
 :mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_host`, :mod:`.lightning_host`, which import
 the CuTe DSL only to compile a kernel that is not cached. The lightning indexer's scores and
 top-k select are composed in :mod:`.lightning_indexer_host`. Its scores at the selected slots

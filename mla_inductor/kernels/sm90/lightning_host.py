@@ -1,6 +1,6 @@
-"""Host side of the SM90 lightning-indexer score kernel (the kernel is :mod:`.lightning`): the
-head tile, the key split, the static compile key, the kernel cache and the launch on torch's
-current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory, then
+"""Host side of the SM90 lightning-indexer score kernel (the kernel is :mod:`.lightning`; bf16,
+fp16 and float8_e4m3fn, whose q_scale and k_scale it passes on): the head tile, the key split,
+the static compile key, the kernel cache and the launch on torch's current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory, then
 disk) does not have (see :mod:`mla_inductor.kernels.cache`).
 """
 

@@ -1,5 +1,7 @@
-"""The SM90 lightning indexer: the score kernel (:mod:`.lightning_host`) and the top-k select
-(:mod:`.topk_host`) composed over chunks of rows with one bounded score buffer.
+"""The SM90 lightning indexer: the score kernel (:mod:`.lightning_host`; bf16, fp16, or
+float8_e4m3fn with q_scale and k_scale) and the top-k select (:mod:`.topk_host`, the same for
+every dtype: it reads the fp32 scores) composed over chunks of rows with one bounded score
+buffer.
 
 For the flattened rows ``r = b T + t`` taken in chunks, each chunk's fp32 scores are written to
 a buffer ``[rows, ld]`` (``ld`` = S rounded up to a multiple of 4) and the select reads them back
