@@ -388,9 +388,9 @@ def lightning_indexer(
             non-integer dtype or a wrong shape; one of q and k in fp8 and not the other, fp8
             without k_scale, a scale with non-fp8 q and k, a scale of the wrong shape, not
             float32 or on another device (all of these also at trace time under
-            ``torch.compile``); a forced backend that cannot run here (sm90 has no fp8 kernel
-            yet). On a CUDA device without a kernel for the problem (fp8 included) the
-            reference runs, with a warning.
+            ``torch.compile``); a forced backend that cannot run here (sm90: D other than 128
+            or more than 64 heads, fp8 included). On a CUDA device without a kernel for the
+            problem the reference runs, with a warning.
     """
     op = "lightning_indexer"
     for name, t in (("q", q), ("k", k), ("weights", weights)):

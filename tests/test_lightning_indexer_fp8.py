@@ -321,29 +321,31 @@ def test_the_op_and_its_fake_check_the_canonical_scales():
 
 # -- backend selection ---------------------------------------------------------------------------
 
-def test_auto_on_sm90_runs_fp8_on_the_reference_with_a_warning(fake_gpu, monkeypatch):
-    """sm90 has the bf16 kernel but no fp8 one: auto falls back for fp8 (its reason in the
-    warning) and keeps sm90 for bf16."""
+def test_auto_on_sm90_runs_fp8_on_its_kernel_and_other_widths_on_the_reference(
+        fake_gpu, monkeypatch):
+    """sm90 has an fp8 score kernel for D = 128 and 1 to 64 heads: auto picks it for fp8 as for
+    bf16, and falls back for another D (its reason in the warning)."""
     fake_gpu((9, 0))
     monkeypatch.setattr(sm90, "available", lambda: (True, ""))
     assert backends.select(CUDA, torch.bfloat16, "lightning_indexer", DIMS) is sm90
-    call = (CUDA, FP8, "lightning_indexer", DIMS)
-    assert fallback_warnings(call, call) == [
+    assert backends.select(CUDA, FP8, "lightning_indexer", DIMS) is sm90
+    narrow = (CUDA, FP8, "lightning_indexer", DIMS[:3] + (64,) + DIMS[4:])
+    assert fallback_warnings(narrow) == [
         "mla_inductor: sparse-MLA lightning_indexer falls back to the PyTorch reference backend, "
-        "which is much slower (often 50-100x): sm90 has no float8_e4m3fn lightning indexer "
-        "kernel yet (the reference backend runs fp8 q and k)"
+        "which is much slower (often 50-100x): sm90 lightning indexer supports D = 128, got 64"
     ]
 
 
-def test_a_forced_sm90_refuses_fp8(fake_gpu, monkeypatch):
+def test_a_forced_sm90_takes_fp8_and_refuses_other_widths(fake_gpu, monkeypatch):
     fake_gpu((9, 0))
     monkeypatch.setattr(sm90, "available", lambda: (True, ""))
     with use_backend("sm90"):
-        assert backends.select(CUDA, torch.bfloat16, "lightning_indexer", DIMS) is sm90
+        assert backends.select(CUDA, FP8, "lightning_indexer", DIMS) is sm90
+        wide = DIMS[:1] + (65,) + DIMS[2:]
         with pytest.raises(RuntimeError, match="^lightning_indexer: mla_inductor backend 'sm90' "
-                                               "cannot run here: sm90 has no float8_e4m3fn "
-                                               "lightning indexer kernel yet"):
-            backends.select(CUDA, FP8, "lightning_indexer", DIMS)
+                                               "cannot run here: sm90 lightning indexer "
+                                               "supports 1 to 64 index heads, got 65"):
+            backends.select(CUDA, FP8, "lightning_indexer", wide)
 
 
 @pytest.mark.parametrize("name", ["reference", "emulate"])
@@ -396,8 +398,8 @@ def test_property_matches_the_float64_definition(data):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["none", "default", "positions"])
 def test_cuda_matches_the_float64_definition(mode):
-    """DeepSeek-V3.2's widths (64 index heads of 128) on a CUDA device under ``auto`` (the
-    reference with a warning until a kernel takes fp8): the same checks as on the CPU."""
+    """DeepSeek-V3.2's widths (64 index heads of 128) on a CUDA device under ``auto`` (the sm90
+    fp8 kernel on Hopper, else the reference with a warning): the same checks as on the CPU."""
     B, T, S, H, D, topk = 2, 300, 700, 64, 128, 256
     q8, k8, w, qs, ks = fp8_inputs(B, T, S, H, D, seed=17, device="cuda")
     causal, pos, canonical = _positions(B, T, S, mode, seed=18)

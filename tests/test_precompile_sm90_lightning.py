@@ -1,8 +1,15 @@
 """CPU-only: the SM90 lightning-indexer score kernel compiles for sm_90a without a GPU, through
-``mla_inductor.precompile`` (one kernel per dtype x head tile x causal), and its static
-configuration fits the GPU."""
+``mla_inductor.precompile`` (one kernel per dtype x head tile x causal; bf16, fp16 and
+float8_e4m3fn), and its static configuration fits the GPU. The fp8 kernels' PTX is also
+assembled by ptxas for sm_90a (when ptxas is on PATH): no register spills, and the wgmma is the
+e4m3 m64n256k32 one."""
 
 from __future__ import annotations
+
+import glob
+import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -36,6 +43,56 @@ def test_fp16_compiles():
     assert key == ("float16", 32, False, "sm_90a")
 
 
+def test_fp8_compiles_one_kernel_per_head_tile_and_causal():
+    compiled = mla_inductor.precompile(
+        arch="sm_90a", thresholds=(), backward_heads=(), indexer_heads=(),
+        lightning_heads=(8, 32, 64), lightning_causal=(False, True),
+        lightning_dtypes=(torch.float8_e4m3fn,),
+    )
+    assert sorted(compiled) == sorted(
+        ("float8_e4m3fn", tile, causal, "sm_90a") for tile in (16, 32, 64)
+        for causal in (False, True)
+    )
+
+
+def _ptx(dtype_name: str, head_tile: int, causal: bool, folder) -> str:
+    """The PTX of one score kernel, compiled now (not from the kernel cache) for sm_90a."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    from mla_inductor.kernels.sm90.common import target_arch
+
+    envar = CuTeDSL._get_dsl().envar
+    previous = envar.keep_ptx, envar.dump_dir
+    envar.keep_ptx, envar.dump_dir = True, str(folder)
+    try:
+        with target_arch("sm_90a"):
+            lightning.compile_scores(dtype_name, head_tile, causal)
+    finally:
+        envar.keep_ptx, envar.dump_dir = previous
+    (path,) = glob.glob(str(folder / "*.ptx"))
+    with open(path) as f:
+        return f.read()
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
+@pytest.mark.parametrize("tile,causal", [(64, True), (16, False)])
+def test_fp8_ptx_assembles_without_spills(tmp_path, tile, causal):
+    """The most weights per thread (head tile 64: 16 per token) and the most partial sums (16:
+    16 tokens x 2 rows) next to the 128 accumulators."""
+    ptx = _ptx("float8_e4m3fn", tile, causal, tmp_path)
+    wgmmas = set(re.findall(r"wgmma\.mma_async\S*", ptx))
+    assert wgmmas == {"wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"}
+    assert ptx.count("max.NaN.f32") == 128  # relu on every accumulator, NaN kept
+    path = tmp_path / "scores.ptx"
+    path.write_text(ptx)
+    out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o",
+                          str(tmp_path / "scores.cubin")], capture_output=True, text=True,
+                         check=True)
+    info = out.stdout + out.stderr
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    assert spills and all(a == "0" and b == "0" for a, b in spills), info
+
+
 def test_default_precompile_skips_the_lightning_kernels():
     compiled = sm90.precompile("sm_90a", thresholds=(), backward_heads=(), indexer_heads=())
     assert not any(lightning_host.compile_key(torch.bfloat16, tile, causal) in compiled
@@ -59,17 +116,20 @@ def test_rejected_configurations():
         lightning_host.precompile_scores("sm_100a")
     with pytest.raises(ValueError, match="head tile in"):
         lightning.LightningScoresSm90(BFloat16, 128, False)
-    with pytest.raises(TypeError, match="bf16/fp16"):
+    with pytest.raises(TypeError, match="bf16/fp16 and float8_e4m3fn"):
         lightning.LightningScoresSm90(Float32, 64, False)
 
 
 def test_shared_memory_fits():
-    from cutlass import BFloat16
+    from cutlass import BFloat16, Float8E4M3FN
 
-    for tile in (16, 32, 64):
-        config = lightning.LightningScoresSm90(BFloat16, tile, True)
-        assert config.tokens * tile == 256
-        assert config._smem_bytes() <= lightning.SMEM_LIMIT
+    for dtype in (BFloat16, Float8E4M3FN):
+        for tile in (16, 32, 64):
+            config = lightning.LightningScoresSm90(dtype, tile, True)
+            assert config.tokens * tile == 256
+            assert config._smem_bytes() <= lightning.SMEM_LIMIT
+    fp8 = lightning.LightningScoresSm90(Float8E4M3FN, 64, True)
+    assert (fp8.q_bytes, fp8.block_bytes, fp8.n_chunks, fp8.mma_k) == (32768, 8192, 1, 32)
 
 
 def test_supports():
@@ -82,6 +142,16 @@ def test_supports():
     assert not ok and "D = 128" in why
     ok, why = sm90.supports(torch.float32, "lightning_indexer", 100, 64, 100, 128, 0)
     assert not ok
+    fp8 = torch.float8_e4m3fn
+    assert sm90.supports(fp8, "lightning_indexer", 100, 64, 100, 128, 0, frozenset({"causal"}))[0]
+    assert sm90.supports(fp8, "lightning_indexer", 100, 1, 100, 128, 0)[0]
+    ok, why = sm90.supports(fp8, "lightning_indexer", 100, 65, 100, 128, 0)
+    assert not ok and "1 to 64 index heads" in why
+    ok, why = sm90.supports(fp8, "lightning_indexer", 100, 64, 100, 64, 0)
+    assert not ok and "D = 128" in why
+    for direction in ("lightning_indexer_scores", "lightning_indexer_scores_bwd", "forward"):
+        ok, why = sm90.supports(fp8, direction, 100, 64, 100, 128, 0)
+        assert not ok and "bfloat16 or float16" in why
 
 
 @pytest.mark.parametrize("n_tiles,S,expect", [

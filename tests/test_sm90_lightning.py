@@ -45,14 +45,20 @@ def _row_len(pos, B, T, S):
     return row_lengths(pos, B, T, S, torch.device("cuda"))
 
 
-def scores_fp64(q, k, w, b, ts):
-    """``(scores [n, S], bound [n, S])`` in float64 for tokens ``ts`` of batch element b."""
+def scores_fp64(q, k, w, b, ts, q_scale=None, k_scale=None):
+    """``(scores [n, S], bound [n, S])`` in float64 for tokens ``ts`` of batch element b (fp8 q
+    and k: each dot times ``q_scale [B, T, H]`` and ``k_scale [B, S]`` before the relu)."""
     dots = torch.einsum("nhd,sd->nhs", q[b, ts].double(), k[b].double())
+    if q_scale is not None:
+        dots = dots * q_scale[b, ts].double()[..., None]
+    if k_scale is not None:
+        dots = dots * k_scale[b].double()
     wd = w[b, ts].double()[..., None]
     return (torch.relu(dots) * wd).sum(1), (dots.abs() * wd.abs()).sum(1)
 
 
-def _check_chunk(q, k, w, pos, buf, b0, t0, n_tok, n_batch, rows_per_ref=256):
+def _check_chunk(q, k, w, pos, buf, b0, t0, n_tok, n_batch, rows_per_ref=256,
+                 scales=(None, None)):
     B, T, H, _ = q.shape
     S = k.shape[1]
     row_len = _row_len(pos, B, T, S)
@@ -60,7 +66,7 @@ def _check_chunk(q, k, w, pos, buf, b0, t0, n_tok, n_batch, rows_per_ref=256):
         b = b0 + bi
         for c in range(t0, t0 + n_tok, rows_per_ref):
             ts = torch.arange(c, min(c + rows_per_ref, t0 + n_tok), device="cuda")
-            ref, bound = scores_fp64(q, k, w, b, ts)
+            ref, bound = scores_fp64(q, k, w, b, ts, *scales)
             got = buf[bi * n_tok + ts - t0, :S].double()
             visible = (torch.arange(S, device="cuda")[None]
                        < row_len[b * T + ts].long()[:, None])
@@ -69,7 +75,8 @@ def _check_chunk(q, k, w, pos, buf, b0, t0, n_tok, n_batch, rows_per_ref=256):
             assert err.max().item() < REL_TOL
 
 
-def _run_scores(q, k, w, pos, b0=0, t0=0, n_tok=None, n_batch=None, extra_ld=0):
+def _run_scores(q, k, w, pos, b0=0, t0=0, n_tok=None, n_batch=None, extra_ld=0,
+                scales=(None, None)):
     from mla_inductor.kernels.sm90 import lightning_host
 
     B, T = q.shape[:2]
@@ -78,7 +85,7 @@ def _run_scores(q, k, w, pos, b0=0, t0=0, n_tok=None, n_batch=None, extra_ld=0):
     n_batch = B - b0 if n_batch is None else n_batch
     buf = torch.full((n_tok * n_batch, -(-S // 4) * 4 + extra_ld), math.nan, device="cuda")
     row_len = _row_len(pos, B, T, S) if pos is not None else None
-    lightning_host.scores(q, k, w, row_len, buf, b0, t0, n_tok, n_batch)
+    lightning_host.scores(q, k, w, row_len, buf, b0, t0, n_tok, n_batch, *scales)
     return buf
 
 
@@ -124,13 +131,13 @@ def test_reruns_are_bitwise_identical_and_nan_shows():
     assert not torch.isnan(c[6][visible[6]]).any()
 
 
-def _check_selection(q, k, w, pos, topk, indices, scores):
+def _check_selection(q, k, w, pos, topk, indices, scores, scales=(None, None)):
     B, T, _, _ = q.shape
     S = k.shape[1]
     row_len = _row_len(pos, B, T, S).view(B, T).long()
     slot = torch.arange(topk, device="cuda")[None]
     for b in range(B):
-        ref, bound = scores_fp64(q, k, w, b, torch.arange(T, device="cuda"))
+        ref, bound = scores_fp64(q, k, w, b, torch.arange(T, device="cuda"), *scales)
         lens = row_len[b]
         filled = slot < lens.clamp(max=topk)[:, None]
         idx = indices[b].long()

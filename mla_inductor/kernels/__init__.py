@@ -67,8 +67,9 @@ sm_scale, d_v, deterministic=False) -> (dq, dkv, d_sink)``
     ``k_scale=`` (``[B, S]`` float32), contiguous, and ``score[t, s] = sum_h weights[t, h] *
     relu(q_scale[t, h] * k_scale[s] * (q[t, h] . k[s]))``, the fp8 dot accumulated in float32;
     only a backend whose ``supports()`` accepts that dtype gets them. ``reference`` has it, fp8
-    included (``emulate`` runs the reference's); ``auto`` on a CUDA backend without it (or whose
-    ``supports()`` says no: sm90 for fp8) falls back to the reference with the warning.
+    included (``emulate`` runs the reference's), and so has sm90 (fp8 too, for D = 128 and 1 to
+    64 heads); ``auto`` on a CUDA backend without it (or whose ``supports()`` says no: sm90 for
+    another D or head count) falls back to the reference with the warning.
 ``lightning_indexer_scores(q, k, weights, indices) -> scores`` (optional)
     The lightning indexer's scores at the selected slots (:mod:`mla_inductor.lightning_scores`):
     ``q [B, T, H, D]`` (bf16/fp16; fp32 on the reference path), ``k [B, S, D]`` q's dtype,

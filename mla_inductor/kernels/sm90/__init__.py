@@ -1,7 +1,8 @@
 """Our Hopper (SM90a) sparse-MLA kernels, written in CuTe DSL (backend protocol of
 :mod:`mla_inductor.kernels`). The forward's kernel is in :mod:`.fwd`, the backward's in
 :mod:`.bwd`, the indexer's training target in :mod:`.indexer`, the lightning indexer's scores in
-:mod:`.lightning`; each has its launcher (argument checks, compile key, kernel cache, launch) in
+:mod:`.lightning` (bf16 / fp16, and float8_e4m3fn with its scales: compiles, not yet run on
+hardware); each has its launcher (argument checks, compile key, kernel cache, launch) in
 :mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_host`, :mod:`.lightning_host`, which import
 the CuTe DSL only to compile a kernel that is not cached. The lightning indexer's scores and
 top-k select are composed in :mod:`.lightning_indexer_host`. Its scores at the selected slots
@@ -57,14 +58,13 @@ def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tupl
     ``d_qk`` in :data:`INDEXER_D_QK` and at most :data:`INDEXER_MAX_HEADS` heads (one CTA holds
     all the heads of a token). The lightning indexer (``"lightning_indexer"``, ``d_qk`` = its
     head dim D) takes D = :data:`LIGHTNING_D` and 1 to :data:`LIGHTNING_MAX_HEADS` index heads,
-    causal or not, in bf16/fp16 only: there is no float8_e4m3fn kernel yet (``auto`` runs the
-    reference for fp8 q and k). The lightning indexer's scores at the selected slots
+    causal or not, in bf16/fp16 and in float8_e4m3fn (q and k with their float32 q_scale and
+    k_scale; other D or head counts in fp8 run on the reference under ``auto``). The lightning
+    indexer's scores at the selected slots
     (``"lightning_indexer_scores"`` and ``"lightning_indexer_scores_bwd"``, ``d_qk`` = D) take
     the same D and head counts, every B, T, S and topk."""
-    if direction == "lightning_indexer" and dtype == torch.float8_e4m3fn:
-        return False, ("sm90 has no float8_e4m3fn lightning indexer kernel yet (the reference "
-                       "backend runs fp8 q and k)")
-    if dtype not in (torch.bfloat16, torch.float16):
+    fp8 = direction == "lightning_indexer" and dtype == torch.float8_e4m3fn
+    if dtype not in (torch.bfloat16, torch.float16) and not fp8:
         return False, f"sm90 kernels take bfloat16 or float16, got {dtype}"
     if direction == "indexer_target":
         if d_qk not in INDEXER_D_QK:
@@ -101,7 +101,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
                thresholds=(0.0, 8.0), o_lo=(False, True), topk_length=(False, True),
                backward_heads=(128,), backward_o_lo=(True,), indexer_heads=(128,),
                indexer_positions=(False, True), lightning_heads=(),
-               lightning_causal=(False, True), lightning_scores=False,
+               lightning_causal=(False, True), lightning_dtypes=None, lightning_scores=False,
                lightning_scores_deterministic=(False, True), indexer_kl=False) -> dict:
     """Compiles the kernels for ``arch`` without a GPU; returns ``{compile_key: fn}``.
 
@@ -111,8 +111,9 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     it); pass ``backward_heads=()`` to skip it. Indexer target (its head tile, 64 or 128, is
     static): ``dtypes`` x the tiles of ``indexer_heads`` x ``topk_length`` x
     ``indexer_positions`` (causal positions given); pass ``indexer_heads=()`` to skip it.
-    Lightning-indexer scores (head tile 16, 32 or 64 static): ``dtypes`` x the tiles of
-    ``lightning_heads`` x ``lightning_causal``; skipped unless ``lightning_heads`` is given.
+    Lightning-indexer scores (head tile 16, 32 or 64 static): ``lightning_dtypes`` (None:
+    ``dtypes``; ``torch.float8_e4m3fn`` too) x the tiles of ``lightning_heads`` x
+    ``lightning_causal``; skipped unless ``lightning_heads`` is given.
     Lightning-indexer scores at the selected slots (``lightning_scores=True``): the forward per
     dtype and the backward for ``dtypes`` x ``lightning_scores_deterministic``. The indexer
     loss's KL (``indexer_kl=True``): its forward and backward (float32, no other key).
@@ -143,7 +144,8 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
             positions=indexer_positions))
     if lightning_heads:
         compiled.update(lightning_host.precompile_scores(
-            arch, dtypes=dtypes, heads=lightning_heads, causal=lightning_causal))
+            arch, dtypes=dtypes if lightning_dtypes is None else lightning_dtypes,
+            heads=lightning_heads, causal=lightning_causal))
     if lightning_scores:
         compiled.update(lightning_scores_host.precompile_scores(
             arch, dtypes=dtypes, deterministic=lightning_scores_deterministic))
@@ -171,11 +173,13 @@ def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_
     return indexer_host.indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale)
 
 
-def lightning_indexer(q, k, weights, q_positions, topk):
-    """See :func:`mla_inductor.kernels.sm90.lightning_indexer_host.lightning_indexer`."""
+def lightning_indexer(q, k, weights, q_positions, topk, *, q_scale=None, k_scale=None):
+    """See :func:`mla_inductor.kernels.sm90.lightning_indexer_host.lightning_indexer` (the fp8
+    scales with float8_e4m3fn q and k)."""
     from . import lightning_indexer_host
 
-    return lightning_indexer_host.lightning_indexer(q, k, weights, q_positions, topk)
+    return lightning_indexer_host.lightning_indexer(q, k, weights, q_positions, topk,
+                                                    q_scale=q_scale, k_scale=k_scale)
 
 
 def lightning_indexer_scores(q, k, weights, indices):

@@ -5,9 +5,10 @@ the row may see (the op :mod:`mla_inductor.lightning_indexer`)::
 
     buf[r - r0, s] = sum_h weights[b, t, h] * relu(q[b, t, h, :] . k[b, s, :])      (fp32)
 
-into a bounded buffer ``buf [r1 - r0, ld]`` that the top-k select (:mod:`.topk`) reads. Entries
-at ``s >= row_len[r]`` are unspecified (the select never reads them); keys past the chunk's
-visible range in whole 64-key blocks are not computed at all.
+(in fp8, ``relu((q[b, t, h, :] . k[b, s, :]) * q_scale[b, t, h] * k_scale[b, s])``: the section
+"fp8" below) into a bounded buffer ``buf [r1 - r0, ld]`` that the top-k select (:mod:`.topk`)
+reads. Entries at ``s >= row_len[r]`` are unspecified (the select never reads them); keys past
+the chunk's visible range in whole 64-key blocks are not computed at all.
 
 Design (decisions, in the order they were taken)
 -------------------------------------------------
@@ -62,6 +63,44 @@ Design (decisions, in the order they were taken)
 * One compiled kernel serves every B, T, H <= head_tile, S, chunk and ``ld`` (symbolic); the
   compile key is (dtype, head_tile, causal).
 
+fp8 (float8_e4m3fn q and k, float32 q_scale and k_scale)
+--------------------------------------------------------
+The fp8 form of the score (DeepSeek-V3.2-Exp's inference code quantises the indexer's q and k
+to e4m3 with one scale per row; DeepGEMM's fp8 MQA logits kernel scores them), compiled from
+the same class with the dtype as its static switch: the bf16 / fp16 kernels' PTX is unchanged
+(every fp8 step is a ``const_expr`` branch, and the scales are the last tensor arguments, None
+there).
+
+* wgmma m64n256k32 e4m3 x e4m3 with fp32 accumulation: fp8 wgmma takes both operands K-major
+  from shared memory, which the transposed product already has (K rows and Q rows are both
+  D-contiguous), so A = the key block, B = the tile's Q rows as in bf16. A 128-byte row of
+  D = 128 one-byte elements is one 128-byte swizzle atom (bf16: two 64-column chunks), and the
+  K-dim is 4 k-steps of 32. The producer loads a row with 8 threads of 16 bytes (16 rows per
+  pass instead of 8), to the same swizzled byte offsets.
+* Shared memory: Q 32 KiB and key blocks of 8 KiB, so the same 8-block ring takes 64 KiB and
+  the CTA about 102 KiB instead of 195 KiB. The ring was kept at 8 blocks (the bf16 kernel
+  measured no difference between 4 and 8); a CTA still needs the whole register file (384
+  threads x 168), so the freed shared memory buys no second CTA per SM.
+* The scales multiply the accumulator BEFORE the relu, in the reference's order:
+  ``relu((acc * q_scale[column]) * k_scale[row])``, then times the column's weight as in bf16
+  (``max.NaN``: a NaN in q, k or a scale shows in the scores). k_scale is one float per key
+  row: the producer copies the block's 64 with ``cp.async`` next to the block (zero for keys
+  ``>= S``, which are never stored) into a ring of 64 floats per stage, published by the
+  block's full barrier; each consumer thread reads its two rows' scales before it releases
+  the stage. q_scale is one float per accumulator column: the producer copies the tile's with
+  the weights, in the weights' permuted, padded layout (zero for padded heads and tokens), and
+  the consumer reads each token's ``w_per_token`` scales as one vector per key block (16
+  16-byte loads per thread and block). Kept in registers like the weights they would need 64
+  more registers next to 128 accumulators and 64 weights, past the consumers' 232; re-reading
+  them adds 32 KiB of shared-memory reads per block (the weights' cost before they moved to
+  registers). The scales cannot be folded into the weights outside the relu (``relu(a x) = a
+  relu(x)`` holds for ``a >= 0`` only, and the definition takes any float32 scale).
+* A padded head's column is ``(0 * 0) * k_scale``: a key whose k_scale is infinite or NaN
+  scores NaN when H is below the head tile (16, 32, 64). With finite scales the padded columns
+  add exactly 0, as in bf16.
+* Not yet run on hardware: it compiles for sm_90a without spills (the CPU tests check it with
+  ptxas); its scores, speed and bitwise reruns are GPU tests that have not run.
+
 Measured (H200, torch 2.11, CUDA 13.0, nvidia-cutlass-dsl 4.8.1, 2026-12-03; CUDA events,
 medians of 3 interleaved rounds; bf16, H 64, D 128, S = T, causal, TFLOPS on the causal FLOPs
 ``T S / 2 H D 2``; a dense bf16 matmul 16384 x 8192 x 8192 in the same process; T 32768 in 4
@@ -85,7 +124,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_helpers
-from cutlass import BFloat16, Float16, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
@@ -96,21 +135,22 @@ from .common import TORCH_TO_CUTE, sw128_offset_bytes
 from .ptx import cp_async_4, cp_async_16, cp_async_wait_all, create_policy, relu_nan
 
 TILE_KEYS = 64  # keys per block (wgmma M)
-CHUNK = 64  # columns of one 128-byte swizzle atom of 2-byte elements
 STAGES = 8  # key blocks in the ring
 NUM_THREADS = 384
 REGS_PRODUCER, REGS_CONSUMER = 40, 232  # 40 + 2 x 232 = 3 x 168 (the launch allocation)
 SMEM_LIMIT = 227 * 1024
 W_PAD = 4  # floats of padding after each quad lane's row of weights (bank groups)
 BAR_TURN = 1  # named barriers BAR_TURN + role: "consumer `role` may issue its next block"
+DTYPES = {**TORCH_TO_CUTE, "float8_e4m3fn": Float8E4M3FN}
 
 
 class LightningScoresSm90:
     """Compile-time configuration of one score kernel (see the module docstring)."""
 
     def __init__(self, dtype, head_tile: int, causal: bool):
-        if dtype not in (BFloat16, Float16):
-            raise TypeError(f"lightning_indexer: sm90 scores support bf16/fp16, got {dtype}")
+        if dtype not in (BFloat16, Float16, Float8E4M3FN):
+            raise TypeError(f"lightning_indexer: sm90 scores support bf16/fp16 and "
+                            f"float8_e4m3fn, got {dtype}")
         if head_tile not in HEAD_TILES:
             raise ValueError(f"lightning_indexer: sm90 scores need a head tile in {HEAD_TILES}, "
                              f"got {head_tile}")
@@ -119,21 +159,34 @@ class LightningScoresSm90:
         self.tokens = TILE_N // head_tile  # tokens per CTA
         self.w_per_token = TILE_N // 4 // self.tokens  # weights of one token per thread
         self.causal = causal
-        self.q_bytes = TILE_N * D * 2
-        self.block_bytes = TILE_KEYS * D * 2
+        self.fp8 = dtype is Float8E4M3FN  # q_scale per column, k_scale per key row
+        eb = dtype.width // 8  # bytes per element
+        self.elem_bytes = eb
+        self.chunk = 128 // eb  # columns of one 128-byte swizzle atom: 64 (2 bytes), 128 (fp8)
+        self.n_chunks = D // self.chunk  # swizzle chunks per row: 2, or 1 in fp8
+        self.mma_k = 32 // eb  # wgmma K: 16, or 32 in fp8
+        self.row_vecs = D * eb // 16  # 16-byte vectors per row of Q or K: 16, or 8 in fp8
+        self.rows_per_pass = NUM_THREADS // 3 // self.row_vecs  # rows one producer pass loads
+        self.q_bytes = TILE_N * D * eb
+        self.block_bytes = TILE_KEYS * D * eb
 
     def _layouts(self):
         atom = warpgroup.make_smem_layout_atom(
-            sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, CHUNK), self.dtype
+            sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.chunk),
+            self.dtype,
         )
         sQ = cute.tile_to_shape(atom, (TILE_N, D), order=(0, 1))
-        sK = cute.tile_to_shape(atom, (TILE_KEYS, CHUNK, 2 * STAGES), order=(0, 1, 2))
+        sK = cute.tile_to_shape(atom, (TILE_KEYS, self.chunk, self.n_chunks * STAGES),
+                                order=(0, 1, 2))
         return sQ, sK
 
     def _smem_bytes(self):
-        # Q, the ring, the weights, 2 x STAGES + 1 mbarriers, alignment slack
-        return (self.q_bytes + STAGES * self.block_bytes + 4 * (TILE_N // 4 + W_PAD) * 4
-                + (2 * STAGES + 1) * 8 + 2048)
+        # Q, the ring, the weights, 2 x STAGES + 1 mbarriers, alignment slack; in fp8 also the
+        # tile's q_scale (the weights' layout) and the ring's k_scale (one float per key)
+        columns = 4 * (TILE_N // 4 + W_PAD) * 4
+        scales = columns + STAGES * TILE_KEYS * 4 if self.fp8 else 0
+        return (self.q_bytes + STAGES * self.block_bytes + columns
+                + (2 * STAGES + 1) * 8 + 2048 + scales)
 
     @cute.jit
     def __call__(
@@ -143,6 +196,8 @@ class LightningScoresSm90:
         mW: cute.Tensor,  # [B T, H] fp32
         mRowLen: cute.Tensor | None,  # [B T] int32 (causal only)
         mBuf: cute.Tensor,  # [rows of the chunk, ld] fp32
+        mQScale: cute.Tensor | None,  # [B T, H] fp32 (fp8 only)
+        mKScale: cute.Tensor | None,  # [B S] fp32 (fp8 only)
         seq_q: Int32,  # T
         seq_k: Int32,  # S
         b0: Int32,  # first batch element of the chunk
@@ -159,8 +214,8 @@ class LightningScoresSm90:
             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_KEYS, TILE_N),
         )
         n_tiles = (n_tok + self.tokens - 1) // self.tokens
-        self.kernel(mQ, mK, mW, mRowLen, mBuf, seq_q, seq_k, b0, t0, n_tok, blocks_per_split,
-                    sQ_layout, sK_layout, tiled_mma).launch(
+        self.kernel(mQ, mK, mW, mRowLen, mBuf, mQScale, mKScale, seq_q, seq_k, b0, t0, n_tok,
+                    blocks_per_split, sQ_layout, sK_layout, tiled_mma).launch(
             grid=[n_tiles, n_splits, n_batch],
             block=[NUM_THREADS, 1, 1],
             smem=self._smem_bytes(),
@@ -176,6 +231,8 @@ class LightningScoresSm90:
         mW: cute.Tensor,
         mRowLen: cute.Tensor | None,
         mBuf: cute.Tensor,
+        mQScale: cute.Tensor | None,
+        mKScale: cute.Tensor | None,
         seq_q: Int32,
         seq_k: Int32,
         b0: Int32,
@@ -226,6 +283,10 @@ class LightningScoresSm90:
                 16,
             )
             mbar = smem.allocate_array(Int64, 2 * STAGES + 1)
+            sQs, sKs = None, None
+            if const_expr(self.fp8):
+                sQs = smem.allocate_tensor(Float32, sW.layout, 16)  # q_scale, as the weights
+                sKs = smem.allocate_tensor(Float32, cute.make_layout((TILE_KEYS, STAGES)), 16)
             mbar_full = mbar
             mbar_empty = mbar + STAGES
             mbar_q = mbar + 2 * STAGES
@@ -241,10 +302,10 @@ class LightningScoresSm90:
             if wg == 0:
                 # ================= producer: cp.async loads =================
                 cute.arch.setmaxregister_decrease(REGS_PRODUCER)
-                v = tidx % 16  # 16-byte vector of a 256-byte row
-                half = v // 8  # its 64-column swizzle chunk
+                v = tidx % self.row_vecs  # 16-byte vector of a row (256 bytes, fp8 128)
+                half = v // 8  # its swizzle chunk (0 in fp8)
                 vec = v % 8
-                rsub = tidx // 16  # 0..7
+                rsub = tidx // self.row_vecs  # 0..7 (fp8 0..15)
                 sQ_addr = sQ.iterator.toint()
                 sK_addr = sK.iterator.toint()
                 sW_addr = sW.iterator.toint()
@@ -253,16 +314,19 @@ class LightningScoresSm90:
                 w_base = mW.iterator.toint()
                 keep = create_policy(True)  # keys: read by every token tile
                 once = create_policy(False)  # Q: read once
-                for p in cutlass.range_constexpr(TILE_N // 8):
-                    n = p * 8 + rsub
+                eb = self.elem_bytes
+                for p in cutlass.range_constexpr(TILE_N // self.rows_per_pass):
+                    n = p * self.rows_per_pass + rsub
                     t = tok0 + n // self.head_tile
                     h = n % self.head_tile
                     ok = (h < num_heads) & (t < tok_end)
                     src = cutlass.select_(
-                        ok, q_base + ((Int64(row_base + t) * num_heads + h) * D + v * 8) * 2,
-                        q_base)
-                    cp_async_16(sQ_addr + sw128_offset_bytes(n, vec, 0) + half * (TILE_N * 128),
-                                src, cutlass.select_(ok, Int32(16), Int32(0)), once)
+                        ok, q_base + ((Int64(row_base + t) * num_heads + h) * D + v * (16 // eb))
+                        * eb, q_base)
+                    dst = sQ_addr + sw128_offset_bytes(n, vec, 0)
+                    if const_expr(self.n_chunks > 1):
+                        dst = dst + half * (TILE_N * 128)
+                    cp_async_16(dst, src, cutlass.select_(ok, Int32(16), Int32(0)), once)
                 for p in cutlass.range_constexpr(TILE_N // 128):
                     e = p * 128 + tidx  # (q, k') = (e // 64, e % 64)
                     k = e % (TILE_N // 4)
@@ -274,6 +338,12 @@ class LightningScoresSm90:
                                           w_base)
                     padded = e + e // (TILE_N // 4) * W_PAD  # (q, k') in the padded rows
                     cp_async_4(sW_addr + padded * 4, src, cutlass.select_(ok, Int32(4), Int32(0)))
+                    if const_expr(self.fp8):  # q_scale in the weights' layout, zero-filled
+                        qs_base = mQScale.iterator.toint()
+                        src = cutlass.select_(
+                            ok, qs_base + (Int64(row_base + t) * num_heads + h) * 4, qs_base)
+                        cp_async_4(sQs.iterator.toint() + padded * 4, src,
+                                   cutlass.select_(ok, Int32(4), Int32(0)))
                 cute.arch.cp_async_mbarrier_arrive_noinc(mbar_q)
 
                 k_batch = Int64(b) * seq_k
@@ -281,14 +351,22 @@ class LightningScoresSm90:
                     s = i % STAGES
                     cute.arch.mbarrier_wait(mbar_empty + s, ((i // STAGES) & 1) ^ 1)
                     key0 = (kb0 + i) * TILE_KEYS
-                    for p in cutlass.range_constexpr(TILE_KEYS // 8):
-                        r = p * 8 + rsub
+                    for p in cutlass.range_constexpr(TILE_KEYS // self.rows_per_pass):
+                        r = p * self.rows_per_pass + rsub
                         key = key0 + r
                         ok = key < seq_k
-                        src = cutlass.select_(ok, k_base + ((k_batch + key) * D + v * 8) * 2,
-                                              k_base)
-                        cp_async_16(sK_addr + sw128_offset_bytes(r, vec, 2 * s + half), src,
-                                    cutlass.select_(ok, Int32(16), Int32(0)), keep)
+                        src = cutlass.select_(
+                            ok, k_base + ((k_batch + key) * D + v * (16 // eb)) * eb, k_base)
+                        cp_async_16(sK_addr + sw128_offset_bytes(r, vec, self.n_chunks * s + half),
+                                    src, cutlass.select_(ok, Int32(16), Int32(0)), keep)
+                    if const_expr(self.fp8):  # the block's k_scale, zero-filled past S
+                        if tidx < TILE_KEYS:
+                            key = key0 + tidx
+                            ok = key < seq_k
+                            ks_base = mKScale.iterator.toint()
+                            src = cutlass.select_(ok, ks_base + (k_batch + key) * 4, ks_base)
+                            cp_async_4(sKs.iterator.toint() + (s * TILE_KEYS + tidx) * 4, src,
+                                       cutlass.select_(ok, Int32(4), Int32(0)))
                     cute.arch.cp_async_mbarrier_arrive_noinc(mbar_full + s)
                 cp_async_wait_all()
 
@@ -307,7 +385,8 @@ class LightningScoresSm90:
                 rows = (tScS[0][0], tScS[2][0])  # this thread's two key rows of a block
                 # the thread's weights, the same for every key block: read once into registers
                 wr = cute.make_rmem_tensor((self.tokens, self.w_per_token), Float32)
-                k_steps = D // 16
+                k_steps = D // self.mma_k
+                steps_per_chunk = self.chunk // self.mma_k
 
                 cute.arch.mbarrier_wait(mbar_q, 0)
                 for tok in cutlass.range_constexpr(tokens):
@@ -322,8 +401,8 @@ class LightningScoresSm90:
                     mma = cute.make_mma_atom(tiled_mma.op)
                     mma.set(warpgroup.Field.ACCUMULATE, False)
                     for k in cutlass.range_constexpr(k_steps):
-                        cute.gemm(mma, acc, tSrK[None, None, k % (CHUNK // 16),
-                                                 2 * s + k // (CHUNK // 16)],
+                        cute.gemm(mma, acc, tSrK[None, None, k % steps_per_chunk,
+                                                 self.n_chunks * s + k // steps_per_chunk],
                                   tSrQ[None, None, k], acc)
                         mma.set(warpgroup.Field.ACCUMULATE, True)
                     warpgroup.commit_group()
@@ -331,24 +410,37 @@ class LightningScoresSm90:
                         cute.arch.barrier_arrive(barrier_id=BAR_TURN + 1 - role,
                                                  number_of_threads=256)
                     warpgroup.wait_group(0)
+                    ks = None
+                    if const_expr(self.fp8):  # the k_scale of this thread's two key rows
+                        ks = (sKs[rows[0], s], sKs[rows[1], s])
                     cute.arch.mbarrier_arrive(mbar_empty + s)
-                    self._store_scores(acc, wr, mBuf, rows, quad, lane, (kb0 + i) * TILE_KEYS,
-                                       tok0, tok_end, t0, bz * n_tok, seq_k)
+                    self._store_scores(acc, wr, sQs, ks, mBuf, rows, quad, lane,
+                                       (kb0 + i) * TILE_KEYS, tok0, tok_end, t0, bz * n_tok, seq_k)
 
     @cute.jit
-    def _store_scores(self, acc, wr, mBuf, rows, quad, lane, key0, tok0, tok_end, t0,
+    def _store_scores(self, acc, wr, sQs, ks, mBuf, rows, quad, lane, key0, tok0, tok_end, t0,
                       buf_row0, seq_k):
         """The block's scores of this thread's share: ``sum_h w * relu(acc)`` per (key row,
-        token) over the thread's columns, reduce-scattered over the quad, stored by the lane
-        that ends up holding them (keys ``< S`` of tokens of the chunk only)."""
+        token) over the thread's columns (fp8: ``relu((acc * q_scale) * k_scale)``, q_scale of
+        the column read from shared memory ``sQs``, k_scale of the row in ``ks``),
+        reduce-scattered over the quad, stored by the lane that ends up holding them (keys
+        ``< S`` of tokens of the chunk only)."""
         tokens = self.tokens
         part = [Float32(0.0)] * (2 * tokens)  # [row half r][token]
+        qs = None
+        if const_expr(self.fp8):
+            qs = cute.make_rmem_tensor((self.w_per_token,), Float32)
         for tok in cutlass.range_constexpr(tokens):
+            if const_expr(self.fp8):
+                qs.store(sQs[quad, tok, None].load())
             for kk in cutlass.range_constexpr(self.w_per_token):
                 k = tok * self.w_per_token + kk
                 for r in cutlass.range_constexpr(2):
                     i = 4 * (k // 2) + 2 * r + k % 2
-                    part[r * tokens + tok] = part[r * tokens + tok] + relu_nan(acc[i]) * wr[tok, kk]
+                    x = acc[i]
+                    if const_expr(self.fp8):
+                        x = x * qs[kk] * ks[r]
+                    part[r * tokens + tok] = part[r * tokens + tok] + relu_nan(x) * wr[tok, kk]
         # reduce-scatter over the quad: lane bit 1 keeps a half of the tokens, bit 0 a quarter
         b1 = (lane & 2) != 0
         b0 = (lane & 1) != 0
@@ -382,20 +474,26 @@ class LightningScoresSm90:
 def compile_scores(dtype_name: str, head_tile: int, causal: bool):
     """Compile one score kernel (no GPU needed when the target arch is set).
 
-    B T, H (<= ``head_tile``), B S, the chunk's rows and ``ld`` are symbolic. Returns the
-    TVM-FFI callable ``fn(q [B T, H, D], k [B S, D], weights [B T, H], row_len_or_None [B T],
-    buf [R, ld], T, S, b0, t0, n_tok, n_batch, n_splits, blocks_per_split)``.
+    ``dtype_name``: ``"bfloat16"``, ``"float16"`` or ``"float8_e4m3fn"``. B T, H (<=
+    ``head_tile``), B S, the chunk's rows and ``ld`` are symbolic. Returns the TVM-FFI callable
+    ``fn(q [B T, H, D], k [B S, D], weights [B T, H], row_len_or_None [B T], buf [R, ld],
+    q_scale [B T, H], k_scale [B S], T, S, b0, t0, n_tok, n_batch, n_splits,
+    blocks_per_split)``; q_scale and k_scale are float32 in fp8 and None otherwise.
     """
-    dtype = TORCH_TO_CUTE[dtype_name]
+    dtype = DTYPES[dtype_name]
     kernel = LightningScoresSm90(dtype, head_tile, causal)
     n_rows, n_head, n_keys, n_buf, ld = (cute.sym_int() for _ in range(5))
     fake = cute.runtime.make_fake_compact_tensor
     q = fake(dtype, (n_rows, n_head, D), stride_order=(2, 1, 0), assumed_align=16)
     k = fake(dtype, (n_keys, D), stride_order=(1, 0), assumed_align=16)
     w = fake(Float32, (n_rows, n_head), stride_order=(1, 0), assumed_align=4)
+    q_scale = k_scale = None
+    if kernel.fp8:
+        q_scale = fake(Float32, (n_rows, n_head), stride_order=(1, 0), assumed_align=4)
+        k_scale = fake(Float32, (n_keys,), assumed_align=4)
     row_len = fake(Int32, (n_rows,), assumed_align=4) if causal else None
     buf = fake(Float32, (n_buf, ld), stride_order=(1, 0), assumed_align=16)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     one = Int32(1)
-    return cute.compile(kernel, q, k, w, row_len, buf, one, one, one, one, one, one, one, one,
-                        stream, options="--enable-tvm-ffi")
+    return cute.compile(kernel, q, k, w, row_len, buf, q_scale, k_scale, one, one, one, one, one,
+                        one, one, one, stream, options="--enable-tvm-ffi")

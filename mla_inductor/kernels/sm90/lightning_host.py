@@ -1,6 +1,6 @@
-"""Host side of the SM90 lightning-indexer score kernel (the kernel is :mod:`.lightning`): the
-head tile, the key split, the static compile key, the kernel cache and the launch on torch's
-current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory, then
+"""Host side of the SM90 lightning-indexer score kernel (the kernel is :mod:`.lightning`; bf16,
+fp16 and float8_e4m3fn, whose q_scale and k_scale it passes on): the head tile, the key split,
+the static compile key, the kernel cache and the launch on torch's current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory, then
 disk) does not have (see :mod:`mla_inductor.kernels.cache`).
 """
 
@@ -39,7 +39,8 @@ def tokens_per_tile(num_heads: int) -> int:
 
 
 def compile_key(dtype: torch.dtype, head_tile: int, causal: bool, arch: str = "sm_90a") -> tuple:
-    """The static compile key: everything else (B, T, H, S, the chunk, ld) is symbolic. The
+    """The static compile key (``dtype``: bfloat16, float16 or float8_e4m3fn, whose kernel also
+    reads q_scale and k_scale): everything else (B, T, H, S, the chunk, ld) is symbolic. The
     arch is last."""
     return (str(dtype).removeprefix("torch."), int(head_tile), bool(causal), arch)
 
@@ -53,8 +54,8 @@ def get_kernel(key: tuple):
 def precompile_scores(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads=(64,),
                       causal=(False, True)) -> dict:
     """Compiles the score kernels for ``arch`` without a GPU, for every combination of
-    ``dtypes`` x the head tiles of ``heads`` x ``causal``; returns ``{compile_key: fn}`` (also
-    cached).
+    ``dtypes`` (bfloat16, float16, float8_e4m3fn) x the head tiles of ``heads`` x ``causal``;
+    returns ``{compile_key: fn}`` (also cached).
 
     Raises:
         ValueError: for an arch other than ``sm_90a``, or a head count outside 1..64.
@@ -83,26 +84,31 @@ def key_split(n_tiles: int, S: int, num_sms: int) -> tuple[int, int]:
     return -(-n_kb // per), per
 
 
-def scores(q, k, weights, row_len, buf, b0: int, t0: int, n_tok: int, n_batch: int) -> None:
+def scores(q, k, weights, row_len, buf, b0: int, t0: int, n_tok: int, n_batch: int,
+           q_scale=None, k_scale=None) -> None:
     """Writes the scores of one chunk of rows into ``buf`` (the module docstring of
     :mod:`.lightning`): the tokens ``[t0, t0 + n_tok)`` of the batch elements
     ``[b0, b0 + n_batch)`` (so flattened rows ``r0 = b0 T + t0`` on, contiguous: ``n_batch > 1``
     only with ``t0 = 0, n_tok = T``).
 
     Args:
-        q: ``[B, T, H, D]`` bf16/fp16 CUDA tensor, contiguous, 16-byte aligned, D = 128,
-            1 <= H <= 64.
+        q: ``[B, T, H, D]`` bf16/fp16/float8_e4m3fn CUDA tensor, contiguous, 16-byte aligned,
+            D = 128, 1 <= H <= 64.
         k: ``[B, S, D]``, q's dtype, contiguous, 16-byte aligned.
         weights: ``[B, T, H]`` float32, contiguous.
         row_len: ``[B T]`` int32 (keys ``s < row_len[r]`` visible, in ``[0, S]``; causal) or
             None (every key visible).
         buf: ``[>= n_batch n_tok, ld]`` float32, contiguous, ``ld >= S`` a multiple of 4; row
             ``r - r0`` receives row r's scores (entries at ``s >= row_len[r]`` unspecified).
+        q_scale: with float8_e4m3fn q and k only: ``[B, T, H]`` float32, contiguous (the
+            caller passes ones for "no q_scale").
+        k_scale: with float8_e4m3fn q and k only: ``[B, S]`` float32, contiguous.
 
     Returns nothing. Launched on the current stream; allocates nothing.
 
     Raises:
-        ValueError: unsupported shapes, head counts or a buffer whose offsets pass 2**31.
+        ValueError: unsupported shapes, head counts, a buffer whose offsets pass 2**31, or fp8
+            q and k without both scales (or scales with other dtypes).
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
     B, T, H, d = q.shape
@@ -116,6 +122,12 @@ def scores(q, k, weights, row_len, buf, b0: int, t0: int, n_tok: int, n_batch: i
     n_tiles = -(-n_tok // (TILE_N // tile)) * n_batch
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     n_splits, per = key_split(n_tiles, S, num_sms)
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if fp8 != (q_scale is not None) or fp8 != (k_scale is not None):
+        raise ValueError("lightning_indexer: the sm90 kernel takes q_scale and k_scale with "
+                         "float8_e4m3fn q and k, and only then")
+    if fp8:
+        q_scale, k_scale = q_scale.view(B * T, H), k_scale.view(B * S)
     key = compile_key(q.dtype, tile, row_len is not None)
     get_kernel(key)(q.view(B * T, H, D), k.view(B * S, D), weights.view(B * T, H), row_len, buf,
-                    T, S, b0, t0, n_tok, n_batch, n_splits, per)
+                    q_scale, k_scale, T, S, b0, t0, n_tok, n_batch, n_splits, per)

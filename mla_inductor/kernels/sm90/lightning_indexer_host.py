@@ -1,5 +1,7 @@
-"""The SM90 lightning indexer: the score kernel (:mod:`.lightning_host`) and the top-k select
-(:mod:`.topk_host`) composed over chunks of rows with one bounded score buffer.
+"""The SM90 lightning indexer: the score kernel (:mod:`.lightning_host`; bf16, fp16, or
+float8_e4m3fn with q_scale and k_scale) and the top-k select (:mod:`.topk_host`, the same for
+every dtype: it reads the fp32 scores) composed over chunks of rows with one bounded score
+buffer.
 
 For the flattened rows ``r = b T + t`` taken in chunks, each chunk's fp32 scores are written to
 a buffer ``[rows, ld]`` (``ld`` = S rounded up to a multiple of 4) and the select reads them back
@@ -51,17 +53,21 @@ def chunks(B: int, T: int, rows_cap: int):
                 yield b0, t0, min(rows_cap, T - t0), 1
 
 
-def lightning_indexer(q, k, weights, q_positions, topk, *, buffer_bytes: int = BUFFER_BYTES):
+def lightning_indexer(q, k, weights, q_positions, topk, *, q_scale=None, k_scale=None,
+                      buffer_bytes: int = BUFFER_BYTES):
     """The lightning indexer's top-k on SM90 (backend protocol; the definition and selection
     rules are :func:`mla_inductor.lightning_indexer`'s).
 
     Args:
-        q: ``[B, T, H, D]`` bf16/fp16 CUDA tensor, D = 128, 1 <= H <= 64.
+        q: ``[B, T, H, D]`` bf16/fp16/float8_e4m3fn CUDA tensor, D = 128, 1 <= H <= 64.
         k: ``[B, S, D]``, q's dtype.
         weights: ``[B, T, H]`` float32.
         q_positions: ``[B, T]`` int32 (causal: key s visible to row (b, t) iff
             ``s <= q_positions[b, t]``) or None (not causal).
         topk: int >= 0.
+        q_scale: with float8_e4m3fn q and k only: ``[B, T, H]`` float32 or None (1: a tensor of
+            ones ``[B, T, H]`` is made for the kernel).
+        k_scale: required with float8_e4m3fn q and k, refused otherwise: ``[B, S]`` float32.
         buffer_bytes: the score buffer's budget (at least one tile of rows is always used).
 
     Returns:
@@ -78,9 +84,13 @@ def lightning_indexer(q, k, weights, q_positions, topk, *, buffer_bytes: int = B
         raise ValueError("lightning_indexer: sm90 needs q [B, T, H, D], k [B, S, D], weights "
                          f"[B, T, H], got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(weights.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype:
-        raise TypeError(f"lightning_indexer: sm90 takes q and k both bf16 or fp16, got "
-                        f"{q.dtype}/{k.dtype}")
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) or k.dtype != q.dtype:
+        raise TypeError(f"lightning_indexer: sm90 takes q and k both bf16, fp16 or "
+                        f"float8_e4m3fn, got {q.dtype}/{k.dtype}")
+    if fp8 != (k_scale is not None) or (q_scale is not None and not fp8):
+        raise ValueError("lightning_indexer: sm90 takes k_scale (required) and q_scale with "
+                         "float8_e4m3fn q and k, and only then")
     B, T, H, d = q.shape
     S = k.shape[1]
     if d != D or tuple(k.shape) != (B, S, D) or tuple(weights.shape) != (B, T, H):
@@ -100,6 +110,10 @@ def lightning_indexer(q, k, weights, q_positions, topk, *, buffer_bytes: int = B
         return indices.fill_(-1), out_scores.zero_()
     q, k = contiguous_aligned(q), contiguous_aligned(k)
     weights = weights.to(torch.float32).contiguous()
+    if fp8:
+        k_scale = k_scale.to(torch.float32).contiguous()
+        q_scale = (torch.ones((B, T, H), dtype=torch.float32, device=q.device)
+                   if q_scale is None else q_scale.to(torch.float32).contiguous())
     row_len = row_lengths(q_positions, B, T, S, q.device)
     ld = -(-S // 4) * 4
     rows_cap = max(tokens, buffer_bytes // (ld * 4) // tokens * tokens)
@@ -110,7 +124,7 @@ def lightning_indexer(q, k, weights, q_positions, topk, *, buffer_bytes: int = B
     causal_len = row_len if q_positions is not None else None
     for b0, t0, n_tok, n_batch in chunks(B, T, rows_cap):
         r0, rows = b0 * T + t0, n_tok * n_batch
-        score_chunk(q, k, weights, causal_len, buf, b0, t0, n_tok, n_batch)
+        score_chunk(q, k, weights, causal_len, buf, b0, t0, n_tok, n_batch, q_scale, k_scale)
         topk_host.select(buf[:rows], row_len[r0:r0 + rows], topk, flat_idx[r0:r0 + rows],
                          flat_scores[r0:r0 + rows])
     return indices, out_scores
