@@ -329,3 +329,63 @@ def test_deepcopy_of_a_switched_model_runs_its_own_weights():
         attn.kv_b_proj.weight.mul_(2)
         assert torch.equal(model(ids, use_cache=False).logits, before)
         assert not torch.equal(twin(ids, use_cache=False).logits, before)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
+def test_indexer_precision_fp8(name, monkeypatch):
+    """``indexer_precision="fp8"``: every indexer selects on float8_e4m3fn queries and keys with
+    their per-row scales (``quantize_fp8`` of the unquantised ones), the logits stay near the
+    bf16 selection's (the fp8 selection differs at near-ties only), ``remove`` and a later
+    ``apply`` without it put the default back, and another precision is refused."""
+    from mla_inductor import quantize_fp8
+    from mla_inductor.integrations.transformers import indexer as ti
+
+    model = _model(name)
+    ids = _ids(2, 64)
+    calls, op = [], ti.lightning_indexer
+    monkeypatch.setattr(ti, "lightning_indexer",
+                        lambda q, k, *a, **kw: calls.append((q, k, kw)) or op(q, k, *a, **kw))
+    n = sum(layer.self_attn.indexer is not None for layer in model.model.layers)
+    assert n == (1 if name == "glm_moe_dsa" else 2)  # GLM's shared layer reuses the top-k
+    with torch.no_grad():
+        hf.apply(model)
+        bf16 = model(ids, use_cache=False).logits
+        assert [c[0].dtype for c in calls] == [torch.float32] * n
+        calls.clear()
+        hf.apply(model, indexer_precision="fp8")
+        fp8 = model(ids, use_cache=False).logits
+        assert len(calls) == n
+        assert all(q.dtype == k.dtype == torch.float8_e4m3fn for q, k, _ in calls)
+        q8, k8, kw = calls[0]
+        calls.clear()
+        hf.apply(model)  # the option is set by each call
+        assert torch.equal(model(ids, use_cache=False).logits, bf16)
+        assert calls[0][0].dtype == torch.float32
+        hf.apply(model, indexer_precision="fp8")
+        hf.remove(model)
+        hf.apply(model)
+        assert torch.equal(model(ids, use_cache=False).logits, bf16)
+    # the scales are the per-row quantisation's: the dequantised values are q and k to e4m3
+    assert torch.equal(kw["q_scale"], quantize_fp8(q8.float() * kw["q_scale"][..., None])[1])
+    assert 0 < rel_l2(fp8, bf16) <= 0.2
+    with pytest.raises(ValueError, match=r"^mla_inductor: indexer_precision must be one of "
+                                         r"\('bf16', 'fp8'\), got 'fp16'"):
+        hf.apply(model, indexer_precision="fp16")
+
+
+def test_indexer_precision_fp8_with_the_indexer_loss(monkeypatch):
+    """With the loss on, the fp8 selection's slots are scored on the unquantised queries and keys
+    (the loss's logits stay in the layer's dtype) and the loss trains the indexer."""
+    from mla_inductor.integrations.transformers import indexer as ti
+
+    model = _model("deepseek_v32").train()
+    ids = _ids(2, 64)
+    scored, op = [], ti.lightning_indexer_scores
+    monkeypatch.setattr(ti, "lightning_indexer_scores",
+                        lambda q, k, *a: scored.append((q.dtype, k.dtype)) or op(q, k, *a))
+    hf.apply(model, indexer_loss=True, indexer_precision="fp8")
+    out = model(ids, labels=ids, use_cache=False)
+    (out.loss + hf.indexer_loss(model)).backward()
+    assert scored == [(torch.float32, torch.float32)] * 2
+    grads = [layer.self_attn.indexer.wq_b.weight.grad for layer in model.model.layers]
+    assert all(g is not None and torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)

@@ -269,3 +269,24 @@ def test_errors():
     model.model.layers[1].self_attn.attention_dropout = 0.1
     with pytest.raises(RuntimeError, match="^mla_inductor: attention_dropout=0.1 is not supported"):
         model(_ids(1, 8), use_cache=False)
+
+
+def test_indexer_precision_fp8(monkeypatch):
+    """``indexer_precision="fp8"``: the CSA indexer selects on float8_e4m3fn queries and keys
+    with their per-row scales; the logits stay near the default selection's; the HCA and sliding
+    layers have no indexer and are unchanged."""
+    model = _model()
+    ids = _ids(1, 70)
+    calls, op = [], deepseek_v4.lightning_indexer
+    monkeypatch.setattr(deepseek_v4, "lightning_indexer",
+                        lambda q, k, *a, **kw: calls.append((q.dtype, k.dtype, sorted(kw))) or
+                        op(q, k, *a, **kw))
+    with torch.no_grad():
+        hf.apply(model)
+        default = model(ids, use_cache=False).logits
+        hf.apply(model, indexer_precision="fp8")
+        fp8 = model(ids, use_cache=False).logits
+    assert calls == [(torch.float32, torch.float32, ["causal", "q_positions"]),
+                     (torch.float8_e4m3fn, torch.float8_e4m3fn,
+                      ["causal", "k_scale", "q_positions", "q_scale"])]
+    assert 0 < rel_l2(fp8, default) <= 0.2

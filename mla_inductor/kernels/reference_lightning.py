@@ -155,18 +155,19 @@ def lightning_indexer(q: Tensor, k: Tensor, weights: Tensor, q_positions: Option
     return _run(q, k, weights, topk, seen, q_scale, k_scale)
 
 
-def lightning_indexer_seen(q: Tensor, k: Tensor, weights: Tensor, seen: Tensor,
-                           topk: int) -> tuple[Tensor, Tensor]:
+def lightning_indexer_seen(q: Tensor, k: Tensor, weights: Tensor, seen: Tensor, topk: int,
+                           q_scale: Optional[Tensor] = None,
+                           k_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """:func:`lightning_indexer` with any visibility: ``seen [B or 1, T, S]`` bool (True: token
     ``t`` sees key ``s``), for callers whose visibility is a dense mask that positions cannot
-    express (padding, packed sequences). Same arithmetic, selection, outputs and chunking; the
-    mask itself is the caller's O(T·S) tensor."""
+    express (padding, packed sequences). Same arithmetic (fp8 q and k with their scales too),
+    selection, outputs and chunking; the mask itself is the caller's O(T·S) tensor."""
 
     def block(b0, b1, t0, t1):
         rows = seen[b0:b1] if seen.shape[0] > 1 else seen
         return rows[:, t0:t1].expand(b1 - b0, t1 - t0, seen.shape[-1])
 
-    return _run(q, k, weights, topk, block)
+    return _run(q, k, weights, topk, block, q_scale, k_scale)
 
 
 def _run(q: Tensor, k: Tensor, weights: Tensor, topk: int, seen,

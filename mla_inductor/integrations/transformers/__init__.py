@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from . import deepseek_v4, deepseek_v32
 from . import loss as _loss
+from .indexer import check_precision, set_precision
 from .visibility import ATTN_IMPLEMENTATION, drop_visibility, use_visibility
 
 __all__ = ["ATTN_IMPLEMENTATION", "apply", "indexer_loss", "remove", "switched"]
@@ -55,8 +56,9 @@ def _attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return layers
 
 
-def _apply(model: nn.Module, indexer_loss: bool) -> list[nn.Module]:
+def _apply(model: nn.Module, indexer_loss: bool, indexer_precision: str) -> list[nn.Module]:
     layers = _attention_layers(model)
+    check_precision(indexer_precision)
     if indexer_loss:
         for name, attn in layers:
             if not _FAMILY[type(attn)].INDEXER_LOSS:
@@ -79,7 +81,7 @@ def _apply(model: nn.Module, indexer_loss: bool) -> list[nn.Module]:
     return switched
 
 
-def apply(model: nn.Module, *, indexer_loss: bool = False) -> int:
+def apply(model: nn.Module, *, indexer_loss: bool = False, indexer_precision: str = "bf16") -> int:
     """Switches every sparse-attention layer of ``model`` (any module tree containing them, e.g.
     a ``*ForCausalLM``) to :func:`mla_inductor.sparse_mla`: DeepSeek-V3.2's
     ``DeepseekV32Attention`` and GLM-5's ``GlmMoeDsaAttention`` (:mod:`.deepseek_v32`: the
@@ -109,24 +111,37 @@ def apply(model: nn.Module, *, indexer_loss: bool = False) -> int:
     option is set on every switched layer of ``model`` by each call (a later ``apply(model)``
     turns it off again).
 
+    ``indexer_precision="fp8"`` makes every indexer (DeepSeek-V3.2's, GLM-5's, DeepSeek-V4's CSA
+    one) select on its queries and keys quantised per row to float8_e4m3fn with one float32
+    scale each (:func:`mla_inductor.quantize_fp8`: DeepSeek-V3.2-Exp's inference code quantises
+    them so), :func:`mla_inductor.lightning_indexer` with ``q_scale`` and ``k_scale``; the
+    indexer loss's logits stay those of the unquantised queries and keys. ``"bf16"`` (the
+    default) selects in the layer's own dtype. Set, like the loss option, by each call.
+
     Returns:
         The number of layers this call switched (layers already switched keep their forward).
 
     Raises:
         ValueError: ``model`` has no such layer; ``indexer_loss=True`` on a model with a layer
-            the loss does not cover (DeepSeek-V4: :mod:`.deepseek_v4` says why).
+            the loss does not cover (DeepSeek-V4: :mod:`.deepseek_v4` says why); an
+            ``indexer_precision`` other than ``"bf16"`` and ``"fp8"``.
         RuntimeError: a layer's ``forward`` is already replaced on the instance (accelerate's
             hooks), which switching would drop. At call time: ``attention_dropout > 0`` while
             training, a missing attention mask (``None``), a GLM-5 shared-top-k layer called
             without ``prev_topk_indices``, :func:`sparse_mla`'s own checks, and with
             ``indexer_loss`` a training forward with grad over a cache that held earlier tokens.
     """
-    switched = len(_apply(model, indexer_loss))
+    switched = len(_apply(model, indexer_loss, indexer_precision))
     layers = [attn for _, attn in _attention_layers(model) if _is_switched(attn)]
+    _set_options(layers, indexer_loss, indexer_precision)
+    return switched
+
+
+def _set_options(layers, indexer_loss: bool, indexer_precision: str) -> None:
     for attn in layers:
         _loss.enable(attn, indexer_loss)
+        set_precision(attn, indexer_precision)
     use_visibility(layers)
-    return switched
 
 
 def indexer_loss(model: nn.Module) -> Tensor:
@@ -169,6 +184,7 @@ def _remove(layers) -> None:
         if _is_switched(attn):
             del attn.forward
         _loss.enable(attn, False)
+        set_precision(attn, "bf16")
 
 
 def remove(model: nn.Module) -> int:
@@ -188,15 +204,14 @@ def remove(model: nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def switched(model: nn.Module, *, indexer_loss: bool = False) -> Iterator[int]:
+def switched(model: nn.Module, *, indexer_loss: bool = False,
+             indexer_precision: str = "bf16") -> Iterator[int]:
     """``with switched(model) as n:`` runs the block with :func:`apply` in effect (``n`` layers
     switched) and switches exactly those layers back on exit, also on an exception; with
-    ``indexer_loss`` those layers record their indexer loss (:func:`apply`'s option) inside the
-    block, dropped on exit. Raises as :func:`apply`."""
-    layers = _apply(model, indexer_loss)
-    for attn in layers:
-        _loss.enable(attn, indexer_loss)
-    use_visibility(layers)
+    ``indexer_loss`` those layers record their indexer loss, with ``indexer_precision`` their
+    indexers select so (:func:`apply`'s options), inside the block. Raises as :func:`apply`."""
+    layers = _apply(model, indexer_loss, indexer_precision)
+    _set_options(layers, indexer_loss, indexer_precision)
     try:
         yield len(layers)
     finally:

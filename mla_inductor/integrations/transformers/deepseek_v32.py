@@ -40,7 +40,7 @@ from ...api import sparse_mla
 from . import loss as _loss
 from .arguments import check_call, the_cache
 from .head_matmul import head_matmul
-from .indexer import indexer_topk
+from .indexer import indexer_topk, selects_in_fp8
 from .visibility import Visibility
 
 INDEXER_LOSS = True  # apply(model, indexer_loss=True) covers these layers (:mod:`.loss`)
@@ -84,7 +84,7 @@ def _absorbed_attention(attn, rope, index_rope, hidden_states, position_embeddin
                       else attention_mask[:, 0])
         # with the indexer loss on, the selection's own scores are the loss's logits
         topk = indexer_topk(attn.indexer, index_rope, hidden_states, q_resid, position_embeddings,
-                            visibility, cache, scores=loss_on)
+                            visibility, cache, scores=loss_on, fp8=selects_in_fp8(attn))
         if loss_on:
             topk, logits = topk
     elif prev_topk_indices is None:

@@ -56,6 +56,7 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as _v4
 
 from ...api import lightning_indexer, sparse_mla
 from .arguments import check_call, the_cache
+from .indexer import quantized, selects_in_fp8
 from .visibility import Visibility, dense_seen
 
 LAYERS = (_v4.DeepseekV4Attention,)
@@ -119,13 +120,14 @@ def _pool(module: nn.Module, name: str, hidden_states: Tensor, cache_layer, head
 
 
 def _indexer_topk(indexer: nn.Module, hidden_states: Tensor, q_residual: Tensor,
-                  position_ids: Tensor, cache_layer) -> Tensor:
+                  position_ids: Tensor, cache_layer, fp8: bool) -> Tensor:
     """The CSA indexer's picks ``[B, T, min(index_topk, C)]`` int32 (ascending entry index, then
     -1), on :func:`mla_inductor.lightning_indexer`: ``sum_h w[t, h] · relu(q[t, h] · k[j])``
     with ``w = weights_proj(x) · index_n_heads**-0.5 · softmax_scale`` (the scale folded into the
     head weights: ``relu(a·x) = a·relu(x)`` for ``a > 0``), over the entries ``j < (p + 1) //
-    m`` (``p`` the token's ``position_ids``). All of it runs without grad: in transformers no
-    gradient reaches the indexer either (its top-k has none), so only its memory differs."""
+    m`` (``p`` the token's ``position_ids``); with ``fp8`` on the queries and keys quantised per
+    row (:func:`.indexer.quantized`). All of it runs without grad: in transformers no gradient
+    reaches the indexer either (its top-k has none), so only its memory differs."""
     B, T, _ = hidden_states.shape
     with torch.no_grad():
         keys = _pool(indexer, "indexer", hidden_states, cache_layer, indexer.head_dim,
@@ -138,9 +140,11 @@ def _indexer_topk(indexer: nn.Module, hidden_states: Tensor, q_residual: Tensor,
         w = scorer.weights_proj(hidden_states).float() * (scorer.weights_scaling
                                                           * scorer.softmax_scale)
         seen_last = (position_ids + 1) // indexer.compress_rate - 1
-        return lightning_indexer(q, keys.to(q.dtype), w,
-                                 min(indexer.index_topk, keys.shape[1]), causal=True,
-                                 q_positions=seen_last.expand(B, T))
+        keys, scales = keys.to(q.dtype), {}
+        if fp8:
+            q, keys, scales = quantized(q, keys)
+        return lightning_indexer(q, keys, w, min(indexer.index_topk, keys.shape[1]), causal=True,
+                                 q_positions=seen_last.expand(B, T), **scales)
 
 
 def _window_slots(mask, B: int, T: int, S: int) -> Tensor:
@@ -169,7 +173,7 @@ def _compressed_slots(attn: nn.Module, compressed: Tensor, hidden_states: Tensor
     C = compressed.shape[1]
     if attn.layer_type == _CSA:
         picked = _indexer_topk(attn.compressor.indexer, hidden_states, q_residual, position_ids,
-                               cache_layer)
+                               cache_layer, selects_in_fp8(attn))
         return (picked, (picked >= 0).sum(-1)) if C else (None, None)
     if C == 0:
         return None, None

@@ -47,7 +47,49 @@ from torch import Tensor, nn
 
 from ...api import lightning_indexer, lightning_indexer_scores
 from ...kernels.reference_lightning import lightning_indexer_seen
+from ...quantize import quantize_fp8
 from .visibility import Visibility, dense_seen
+
+
+# The attribute of a switched attention layer present while its indexer selects in fp8.
+_FP8 = "_mla_inductor_indexer_fp8"
+PRECISIONS = ("bf16", "fp8")
+
+
+def check_precision(precision: str) -> None:
+    """Raises a ``ValueError`` for a ``precision`` not in :data:`PRECISIONS`."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"mla_inductor: indexer_precision must be one of {PRECISIONS}, got "
+                         f"{precision!r}")
+
+
+def set_precision(attn: nn.Module, precision: str) -> None:
+    """Makes ``attn``'s indexer select in ``precision`` (:data:`PRECISIONS`): ``"bf16"``, the
+    layer's own dtype (float32 on the CPU), or ``"fp8"``.
+
+    Raises:
+        ValueError: another precision.
+    """
+    check_precision(precision)
+    if precision == "fp8":
+        attn.__dict__[_FP8] = True
+    else:
+        attn.__dict__.pop(_FP8, None)
+
+
+def selects_in_fp8(attn: nn.Module) -> bool:
+    """Whether ``attn``'s indexer selects in fp8 (:func:`set_precision`)."""
+    return _FP8 in attn.__dict__
+
+
+def quantized(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, dict]:
+    """``(q_fp8, k_fp8, {"q_scale", "k_scale"})``: the indexer's queries ``[B, T, H, D]`` and keys
+    ``[B, S, D]`` quantised per row to float8_e4m3fn (:func:`mla_inductor.quantize_fp8`, as
+    DeepSeek-V3.2-Exp's inference code quantises them), with the scales as
+    :func:`mla_inductor.lightning_indexer` takes them."""
+    q8, q_scale = quantize_fp8(q)
+    k8, k_scale = quantize_fp8(k)
+    return q8, k8, {"q_scale": q_scale, "k_scale": k_scale}
 
 
 def chunk_tokens(n_heads: int, S: int, score_bytes: int) -> int:
@@ -141,7 +183,7 @@ def _gather_seen(k: Tensor, keys: Tensor, positions: Tensor) -> tuple[Tensor, Te
 
 def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tensor,
                  position_embeddings: tuple[Tensor, Tensor], visibility: Visibility | Tensor,
-                 cache=None, *, scores: bool = False):
+                 cache=None, *, scores: bool = False, fp8: bool = False):
     """The top-k keys of each query token, as ``indexer(hidden_states, q_resid,
     position_embeddings, attention_mask, position_ids, cache=cache)`` selects them, on
     :func:`mla_inductor.lightning_indexer` (module docstring: the same definition, float32, not
@@ -166,6 +208,8 @@ def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_re
         scores: also return the selected slots' scores (the indexer's logits of DeepSeek-V3.2's
             indexer loss), computed with grad where grad is enabled, on ``hidden_states`` and
             ``q_resid`` detached: differentiable in the indexer's parameters only.
+        fp8: select on the queries and keys quantised per row (:func:`quantized`); the
+            scores are still those of the unquantised queries and keys.
 
     Returns:
         ``[B, T, min(index_topk, S)]`` int32: per row the selected keys (in ``[0, S)``) in
@@ -184,20 +228,20 @@ def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_re
             k = k if own_keys else k_all
         w = head_weights(indexer, hidden_states)
         picked, values = _select(q, k, w, min(indexer.index_topk, k.shape[1]), visibility,
-                                 scores)
+                                 scores, fp8)
     if not scores:
         return picked
     return picked, values if own_keys else None
 
 
 def _select(q: Tensor, k: Tensor, w: Tensor, topk: int, visibility: Visibility | Tensor,
-            scores: bool):
+            scores: bool, fp8: bool):
     """``(indices, scores)`` of :func:`indexer_topk` for the indexer's queries, keys and head
-    weights (under a dense mask, the scores only when asked: the reference's selection forms
-    none, so :func:`mla_inductor.lightning_indexer_scores` scores the selected slots)."""
-    if not isinstance(visibility, Visibility):
-        picked = lightning_indexer_seen(q.detach(), k.detach(), w.detach(), dense_seen(visibility),
-                                        topk)[0]
+    weights (under a dense mask or in fp8, the scores only when asked: those selections form
+    none of the unquantised scores, so :func:`mla_inductor.lightning_indexer_scores` scores the
+    selected slots)."""
+    if fp8 or not isinstance(visibility, Visibility):
+        picked = _selection(q.detach(), k.detach(), w.detach(), topk, visibility, fp8)
         return picked, lightning_indexer_scores(q, k, w, picked) if scores else None
     if visibility.keys is None:
         return lightning_indexer(q, k, w, topk, causal=True, q_positions=visibility.positions,
@@ -206,6 +250,26 @@ def _select(q: Tensor, k: Tensor, w: Tensor, topk: int, visibility: Visibility |
                                               visibility.positions)
     picked, values = lightning_indexer(q, gathered, w, topk, causal=True, q_positions=positions,
                                        return_scores=True)
-    B, T, _ = picked.shape
+    return _scatter_back(picked, order), values
+
+
+def _selection(q: Tensor, k: Tensor, w: Tensor, topk: int, visibility: Visibility | Tensor,
+               fp8: bool) -> Tensor:
+    """The indices of :func:`_select` without scores, quantised per row first with ``fp8``."""
+    if not isinstance(visibility, Visibility):
+        q, k, scales = quantized(q, k) if fp8 else (q, k, {})
+        return lightning_indexer_seen(q, k, w, dense_seen(visibility), topk, **scales)[0]
+    keys, positions, order = k, visibility.positions, None
+    if visibility.keys is not None:
+        keys, positions, order = _gather_seen(k, visibility.keys.to(torch.bool), positions)
+    q, keys, scales = quantized(q, keys) if fp8 else (q, keys, {})
+    picked = lightning_indexer(q, keys, w, topk, causal=True, q_positions=positions, **scales)
+    return picked if order is None else _scatter_back(picked, order)
+
+
+def _scatter_back(picked: Tensor, order: Tensor) -> Tensor:
+    """The key indices ``[B, T, topk]`` int32 of a selection ``picked`` over the keys gathered
+    in ``order [B, S]`` (:func:`_gather_seen`), -1 kept."""
+    B, T, topk = picked.shape
     back = order.gather(1, picked.clamp(min=0).view(B, T * topk).long()).view(B, T, topk)
-    return torch.where(picked >= 0, back, -1).to(torch.int32), values
+    return torch.where(picked >= 0, back, -1).to(torch.int32)
