@@ -58,6 +58,20 @@ def rel_l2(x, ref):
     return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
+def assert_compiled_matches_eager(module, run, tol=1e-6):
+    """``run(fn)`` (a list of tensors or None: outputs and gradients) with ``fn`` the module, then
+    with the module under ``torch.compile(fullgraph=True, backend="aot_eager")`` (a graph break
+    raises): the same Nones, the tensors within rel-L2 ``tol``."""
+    eager = run(module)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(module, fullgraph=True, backend="aot_eager"))
+    assert len(compiled) == len(eager)
+    for c, e in zip(compiled, eager):
+        assert (c is None) == (e is None)
+        if e is not None:
+            assert rel_l2(c, e) <= tol
+
+
 @pytest.fixture
 def fp64_reference():
     return reference_sparse_mla_fp64

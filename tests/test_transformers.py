@@ -23,7 +23,7 @@ from transformers import (
     GlmMoeDsaForCausalLM,
 )
 
-from conftest import rel_l2
+from conftest import assert_compiled_matches_eager, rel_l2
 
 VOCAB = 128
 # 2 layers, H 4, topk 16 over T 64-128; layer 1 is a mixture of experts. 8 index heads: with 2, a
@@ -264,13 +264,7 @@ def test_decoder_layer_compiles_fullgraph(name, mask):
         params = [x, *layer.parameters()]
         return [out, *torch.autograd.grad(out.square().sum(), params, allow_unused=True)]
 
-    eager = run(layer)
-    torch._dynamo.reset()
-    compiled = run(torch.compile(layer, fullgraph=True, backend="aot_eager"))
-    for c, e in zip(compiled, eager):
-        assert (c is None) == (e is None)
-        if e is not None:
-            assert rel_l2(c, e) <= 1e-6
+    assert_compiled_matches_eager(layer, run)
 
 
 def test_cache_also_under_its_older_name_past_key_values():

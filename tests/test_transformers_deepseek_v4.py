@@ -16,7 +16,7 @@ from mla_inductor.integrations.transformers import deepseek_v4
 from mla_inductor.integrations.transformers.visibility import Visibility
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache
 
-from conftest import rel_l2
+from conftest import assert_compiled_matches_eager, rel_l2
 
 VOCAB = 128
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -245,13 +245,7 @@ def test_decoder_layer_compiles_fullgraph(layer):
         params = [x, *block.parameters()]
         return [out, *torch.autograd.grad(out.square().sum(), params, allow_unused=True)]
 
-    eager = run(block)
-    torch._dynamo.reset()
-    compiled = run(torch.compile(block, fullgraph=True, backend="aot_eager"))
-    for c, e in zip(compiled, eager):
-        assert (c is None) == (e is None)
-        if e is not None:
-            assert rel_l2(c, e) <= 1e-6
+    assert_compiled_matches_eager(block, run)
 
 
 def test_the_indexer_loss_is_not_offered():
