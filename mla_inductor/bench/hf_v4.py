@@ -27,7 +27,8 @@ forward and backward TFLOPS on the valid slots (``2·H·n_valid·(d_qk + d_v)`` 
 median of ``triton.testing.do_bench``.
 
 ms = median of ``--iters`` calls after ``--warmup`` untimed ones, CUDA events; peak GiB as in
-``hf``. An out-of-memory prints ``OOM`` and the run goes on. Needs the ``transformers`` extra.
+``hf``. An out-of-memory prints ``OOM``, and an error of FlexAttention (its compiler may refuse
+a shape) ``fails:`` with the error's first line; the run goes on. Needs the ``transformers`` extra.
 ``--tiny``: a small config on the CPU in float32 (eager and patched; FlexAttention has no CPU
 backward), T 64 and 128: a smoke run in seconds.
 """
@@ -237,7 +238,7 @@ def bench_hf_v4(Ts, layer: str, tiny: bool = False, warmup: int = 2, iters: int 
     print("|---|---|---|---|---|")
     for T in Ts:
         inputs = make_inputs(attn, rotary, T)
-        results, parts, extra = {}, {}, ""
+        results, parts, failures, extra = {}, {}, {}, ""
         for mode in modes:
             with layer_mode(attn, mode):
                 mask = layer_mask(attn, inputs, mode)
@@ -250,7 +251,13 @@ def bench_hf_v4(Ts, layer: str, tiny: bool = False, warmup: int = 2, iters: int 
                                   position_ids=inputs.position_ids, attention_mask=mask)
                     out.backward(inputs.grad_output)
 
-                results[mode] = measure(step, device, warmup, iters)
+                try:
+                    results[mode] = measure(step, device, warmup, iters)
+                except Exception as e:  # FlexAttention's compile may refuse the shape
+                    if mode != "flex":
+                        raise
+                    results[mode], failures[mode] = None, f"{type(e).__name__}: " + (
+                        str(e).strip().splitlines() or [""])[0][:160]
                 if show_breakdown and mode == "patched" and results[mode] is not None:
                     with labelled_parts():
                         parts[mode] = breakdown(step, device, results[mode].ms, CATEGORIES)
@@ -262,7 +269,8 @@ def bench_hf_v4(Ts, layer: str, tiny: bool = False, warmup: int = 2, iters: int 
         for mode in modes:
             base, m = results.get("patched"), results[mode]
             ratio = f"{m.ms / base.ms:.2f}x" if (base and m and mode != "patched") else ""
-            print(f"| {T} | {mode} | {_cells(m)} | {ratio} |", flush=True)
+            cells = f"fails: {failures[mode]} | -" if mode in failures else _cells(m)
+            print(f"| {T} | {mode} | {cells} | {ratio} |", flush=True)
         unit = "CPU self" if tiny else "kernel"
         for mode, part in parts.items():
             print(f"| {T} | {mode}, {unit} ms: " + ", ".join(
