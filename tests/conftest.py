@@ -72,6 +72,21 @@ def assert_compiled_matches_eager(module, run, tol=1e-6):
             assert rel_l2(c, e) <= tol
 
 
+def lm_gradients(model, ids) -> dict:
+    """``{name: grad or None}`` of every parameter of the causal LM ``model`` after the backward of
+    its loss on ``ids`` (labels = ids, no cache)."""
+    model.zero_grad(set_to_none=True)
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    return {k: p.grad for k, p in model.named_parameters()}
+
+
+def assert_same_gradients(ours: dict, ref: dict, tol: float) -> None:
+    """The same parameters get gradients (None elsewhere), each within rel-L2 ``tol``."""
+    assert {k for k, g in ours.items() if g is None} == {k for k, g in ref.items() if g is None}
+    worst = max((rel_l2(ours[k], g), k) for k, g in ref.items() if g is not None)
+    assert worst[0] <= tol, worst
+
+
 @pytest.fixture
 def fp64_reference():
     return reference_sparse_mla_fp64

@@ -23,7 +23,7 @@ from transformers import (
     GlmMoeDsaForCausalLM,
 )
 
-from conftest import assert_compiled_matches_eager, rel_l2
+from conftest import assert_compiled_matches_eager, assert_same_gradients, lm_gradients, rel_l2
 
 VOCAB = 128
 # 2 layers, H 4, topk 16 over T 64-128; layer 1 is a mixture of experts. 8 index heads: with 2, a
@@ -84,20 +84,12 @@ def test_logits_match_eager_and_remove_restores_bitwise(name):
 def test_gradients_match_eager(name):
     model = _model(name).train()
     ids = _ids(2, 64)
-
-    def grads():
-        model.zero_grad(set_to_none=True)
-        model(ids, labels=ids, use_cache=False).loss.backward()
-        return {k: p.grad for k, p in model.named_parameters()}
-
-    ref = grads()
+    ref = lm_gradients(model, ids)
     with hf.switched(model) as n:
         assert n == 2
-        ours = grads()
-    assert {k for k, g in ours.items() if g is None} == {k for k, g in ref.items() if g is None}
+        ours = lm_gradients(model, ids)
     assert any("kv_b_proj" in k for k, g in ours.items() if g is not None)
-    worst = max((rel_l2(ours[k], g), k) for k, g in ref.items() if g is not None)
-    assert worst[0] <= 1e-4, worst
+    assert_same_gradients(ours, ref, 1e-4)
 
 
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
