@@ -40,8 +40,13 @@ def flex_sparse_mla(q: Tensor, kv: Tensor, indices: Tensor, *, sm_scale: float, 
     """The batched :func:`mla_inductor.sparse_mla` (``q [B, T, H, D]``, ``kv [B, S, D]``,
     ``indices [B, T, topk]`` with distinct keys per row, ``topk_length [B, T]`` or None,
     ``attn_sink [H]`` float32 or None) on FlexAttention with ``d_v = D`` (the key row is the
-    value). Returns ``out [B, T, H, D]`` in q's dtype, differentiable in q, kv and the sink. A row
-    with no valid slot gives 0 (as the op)."""
+    value). Returns ``out [B, T, H, D]`` in q's dtype, differentiable in q, kv and the sink (on
+    CUDA: FlexAttention has no CPU backward, nor an ``lse`` for the sink there). A row with no
+    valid slot gives 0 (as the op).
+
+    Raises:
+        ValueError: ``d_v`` other than the key width D.
+    """
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     B, T, H, D = q.shape

@@ -45,7 +45,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .problems import require_sm90
+from .problems import require_sm90, require_transformers
 from .timing import time_ms_calls
 
 # DeepSeek-V3.2's attention widths (its config.json); index_topk comes from --topk.
@@ -356,10 +356,7 @@ def run(args: argparse.Namespace) -> None:
     sm90 kernels cannot run here (unless ``--tiny``) or transformers is not installed."""
     if not args.tiny:
         require_sm90("kernels", tiny=True)
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"hf needs transformers (pip install 'mla-inductor[transformers]'): {e}")
+    require_transformers("hf")
     bench_hf(args.T or ([64, 128] if args.tiny else [4096, 16384]),
              args.topk or (16 if args.tiny else 2048), tiny=args.tiny, warmup=args.warmup,
              iters=args.iters, show_breakdown=args.breakdown, modes=tuple(args.modes))

@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 
 from .hf import _cells, breakdown, measure
-from .problems import require_sm90
+from .problems import require_sm90, require_transformers
 from .timing import time_ms
 
 LAYER_TYPES = {"csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention"}
@@ -306,11 +306,7 @@ def run(args: argparse.Namespace) -> None:
     sm90 kernels cannot run here (unless ``--tiny``) or transformers is not installed."""
     if not args.tiny:
         require_sm90("kernels", tiny=True)
-    try:
-        from transformers.models import deepseek_v4  # noqa: F401
-    except ImportError as e:
-        raise SystemExit(f"hf-v4 needs transformers 5.24 (pip install "
-                         f"'mla-inductor[transformers]'): {e}")
+    require_transformers("hf-v4", "transformers.models.deepseek_v4")
     modes = tuple(args.modes or (MODES[:2] if args.tiny else MODES))
     for layer in args.layer:
         bench_hf_v4(args.T or ([64, 128] if args.tiny else [16384, 32768, 65536, 131072]), layer,

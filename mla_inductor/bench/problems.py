@@ -55,3 +55,15 @@ def require_sm90(what: str, tiny: bool = False) -> None:
     if not ok:
         hint = "; --tiny runs a small smoke test on the CPU" if tiny else ""
         raise SystemExit(f"sm90 {what} not available here: {why}{hint}")
+
+
+def require_transformers(command: str, module: str = "transformers") -> None:
+    """Raises ``SystemExit("<command> needs transformers ...")`` unless ``module`` (transformers,
+    or one of its model modules) imports."""
+    import importlib
+
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        raise SystemExit(f"{command} needs transformers 5.24 (pip install "
+                         f"'mla-inductor[transformers]'): {e}")
