@@ -287,9 +287,10 @@ def test_hf_v4_tiny_prints_every_row_and_breakdown_on_the_cpu(capsys):
     for table in tables:
         rows = [[c.strip() for c in line.strip("|").split("|")] for line in
                 table.splitlines()[3:]]
-        assert [r[1].split(",")[0] for r in rows] == ["eager", "patched", "patched"]
-        assert float(rows[0][2]) > 0 and re.fullmatch(r"\d+\.\d\dx", rows[0][4])
-        parts = dict(re.findall(r"([a-z]+) (-?\d+\.\d)", rows[2][1].split("ms:")[1]))
+        assert [r[1].split(",")[0] for r in rows] == ["eager", "patched", "compiled", "patched"]
+        for row in (rows[0], rows[2]):
+            assert float(row[2]) > 0 and re.fullmatch(r"\d+\.\d\dx", row[4])
+        parts = dict(re.findall(r"([a-z]+) (-?\d+\.\d)", rows[3][1].split("ms:")[1]))
         assert set(parts) >= {"compressors", "indexer", "attention", "projections", "busy"}
         assert float(parts["compressors"]) > 0 and float(parts["attention"]) > 0
     # only the CSA layer has an indexer
@@ -298,8 +299,8 @@ def test_hf_v4_tiny_prints_every_row_and_breakdown_on_the_cpu(capsys):
 
 
 def test_hf_v4_tiny_modes_agree():
-    """The tiny V4 layers' output and input gradient, patched against eager (float32, the
-    integration's tolerances); FlexAttention's forward on the patched layer's slots against the
+    """The tiny V4 layers' output and input gradient, patched and compiled against eager
+    (float32, the integration's tolerances); FlexAttention's forward on the patched layer's slots against the
     op's (FlexAttention has no CPU backward, nor an lse there: no sink in this check)."""
     pytest.importorskip("transformers.models.deepseek_v4")
     from mla_inductor import sparse_mla
@@ -311,12 +312,14 @@ def test_hf_v4_tiny_modes_agree():
                                          rope_dim=16)
         inputs = hf_v4.make_inputs(attn, rotary, 128)
         found, calls = {}, []
-        for mode in ("eager", "patched"):
+        for mode in ("eager", "patched", "compiled"):
             with hf_v4.layer_mode(attn, mode):
                 op = deepseek_v4.sparse_mla
-                deepseek_v4.sparse_mla = lambda *a, **k: calls.append((a, k)) or op(*a, **k)
+                if mode == "patched":
+                    deepseek_v4.sparse_mla = lambda *a, **k: calls.append((a, k)) or op(*a, **k)
+                layer = torch.compile(attn, fullgraph=True) if mode == "compiled" else attn
                 try:
-                    out, _ = attn(hidden_states=inputs.hidden_states,
+                    out, _ = layer(hidden_states=inputs.hidden_states,
                                   position_embeddings=inputs.position_embeddings,
                                   position_ids=inputs.position_ids,
                                   attention_mask=hf_v4.layer_mask(attn, inputs, mode))
@@ -325,8 +328,9 @@ def test_hf_v4_tiny_modes_agree():
             grad, = torch.autograd.grad(out, inputs.hidden_states, inputs.grad_output)
             found[mode] = out.detach(), grad
         assert len(calls) == 1
-        assert rel_l2(found["patched"][0], found["eager"][0]) <= 1e-5, layer
-        assert rel_l2(found["patched"][1], found["eager"][1]) <= 1e-4, layer
+        for mode in ("patched", "compiled"):
+            assert rel_l2(found[mode][0], found["eager"][0]) <= 1e-5, (layer, mode)
+            assert rel_l2(found[mode][1], found["eager"][1]) <= 1e-4, (layer, mode)
         (q, kv, indices), kwargs = calls[0]
         q, kv, kwargs = q.detach(), kv.detach(), dict(kwargs, attn_sink=None)
         with torch.no_grad():

@@ -14,6 +14,8 @@ every parameter's gradient) at each T, in these modes:
   (:mod:`mla_inductor.integrations.transformers.deepseek_v4`: the window and the entries as
   ``sparse_mla``'s slots, the indexer on ``lightning_indexer``), given the positions and the
   window the patched model passes its layers instead of a mask;
+- ``compiled``: ``patched`` under ``torch.compile`` (the layer's elementwise work, its RMS norms
+  and RoPE, fused by inductor around the ops; compiled once per T, outside the timed calls);
 - ``flex``: ``patched`` with the attention on FlexAttention instead of ``sparse_mla``
   (:func:`mla_inductor.bench.flex.flex_sparse_mla`: a block mask of the same slots), the path
   torchtitan's V4 has; everything else is the patched layer's.
@@ -24,13 +26,14 @@ weights, scores and top-k), ``attention`` (``sparse_mla``), ``projections`` (the
 ``other``, and ``busy / wall``. Then the attention op alone on the patched step's own inputs:
 forward and backward TFLOPS on the valid slots (``2·H·n_valid·(d_qk + d_v)`` forward,
 ``2·H·n_valid·(3·d_qk + 2·d_v)`` backward, ``n_valid`` the slots summed over tokens), each the
-median of ``triton.testing.do_bench``.
+median of ``triton.testing.do_bench``; after the table, the same at DeepSeek-V3.2's shapes
+(:func:`v32_tflops`), the V4 shapes' bar.
 
 ms = median of ``--iters`` calls after ``--warmup`` untimed ones, CUDA events; peak GiB as in
 ``hf``. An out-of-memory prints ``OOM``, and an error of FlexAttention (its compiler may refuse
 a shape) ``fails:`` with the error's first line; the run goes on. Needs the ``transformers`` extra.
-``--tiny``: a small config on the CPU in float32 (eager and patched; FlexAttention has no CPU
-backward), T 64 and 128: a smoke run in seconds.
+``--tiny``: a small config on the CPU in float32 (eager, patched and compiled; FlexAttention has
+no CPU backward), T 64 and 128: a smoke run in about a minute (mostly compiling).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import NamedTuple
 import torch
 
 from .hf import _cells, breakdown, measure
-from .problems import require_sm90, require_transformers
+from .problems import D_QK, D_V, make_indices, require_sm90, require_transformers
 from .timing import time_ms
 
 LAYER_TYPES = {"csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention"}
@@ -54,7 +57,7 @@ REAL = dict(hidden_size=4096, num_attention_heads=64, head_dim=512, q_lora_rank=
 TINY = dict(hidden_size=64, num_attention_heads=4, head_dim=64, q_lora_rank=32, o_groups=2,
             o_lora_rank=16, index_n_heads=32, index_head_dim=32, index_topk=6, sliding_window=8,
             compress_rates={LAYER_TYPES["csa"]: 4, LAYER_TYPES["hca"]: 16})
-MODES = ("eager", "patched", "flex")
+MODES = ("eager", "patched", "compiled", "flex")
 # The breakdown's categories (hf's mechanism): the first whose prefix names an op or a range on a
 # kernel's launch stack takes the kernel's time.
 CATEGORIES = (
@@ -184,10 +187,32 @@ def labelled_parts():
             setattr(deepseek_v4, name, fn)
 
 
-def attention_op_tflops(step, d: int) -> str:
-    """The attention op alone on the inputs the patched ``step()`` passes it: forward and
-    backward ms and TFLOPS on the valid slots (module docstring)."""
+def op_tflops(q, kv, indices, **kwargs) -> str:
+    """``sparse_mla(q, kv, indices, **kwargs)`` alone: forward and backward ms (medians of
+    ``triton.testing.do_bench``) and TFLOPS on the valid slots (module docstring)."""
     from mla_inductor import sparse_mla
+
+    q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
+    slots = torch.arange(indices.shape[-1], device=indices.device)
+    length = kwargs.get("topk_length")
+    valid = (indices >= 0) & (indices < kv.shape[-2])
+    if length is not None:
+        valid &= slots < length[..., None]
+    n_valid = valid.sum().item()
+    H, d_qk, d_v = q.shape[-2], q.shape[-1], kwargs.get("d_v", q.shape[-1])
+    out = sparse_mla(q, kv, indices, **kwargs)
+    grad = torch.randn_like(out)
+    fwd = time_ms(lambda: sparse_mla(q, kv, indices, **kwargs))
+    bwd = time_ms(lambda: torch.autograd.grad(out, (q, kv), grad, retain_graph=True))
+    f_fwd = 2 * H * n_valid * (d_qk + d_v)
+    f_bwd = 2 * H * n_valid * (3 * d_qk + 2 * d_v)
+    return (f"{n_valid / q.shape[-3]:.0f} valid slots per token, forward {fwd:.2f} ms "
+            f"({f_fwd / fwd / 1e9:.0f} TFLOPS), backward {bwd:.2f} ms "
+            f"({f_bwd / bwd / 1e9:.0f} TFLOPS)")
+
+
+def attention_op_tflops(step) -> str:
+    """:func:`op_tflops` on the inputs the patched ``step()`` passes the op."""
     from mla_inductor.integrations.transformers import deepseek_v4
 
     seen = []
@@ -197,20 +222,19 @@ def attention_op_tflops(step, d: int) -> str:
         step()
     finally:
         deepseek_v4.sparse_mla = op
-    (q, kv, indices), kwargs = seen[0]
-    q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
-    length = kwargs["topk_length"]
-    slots = torch.arange(indices.shape[-1], device=indices.device)
-    n_valid = ((indices >= 0) & (slots < length[..., None])).sum().item()
-    H = q.shape[2]
-    out = sparse_mla(q, kv, indices, **kwargs)
-    grad = torch.randn_like(out)
-    fwd = time_ms(lambda: sparse_mla(q, kv, indices, **kwargs))
-    bwd = time_ms(lambda: torch.autograd.grad(out, (q, kv), grad, retain_graph=True))
-    f_fwd, f_bwd = 2 * H * n_valid * 2 * d, 2 * H * n_valid * 5 * d
-    return (f"attention op alone: {n_valid / q.shape[1]:.0f} valid slots per token, forward "
-            f"{fwd:.2f} ms ({f_fwd / fwd / 1e9:.0f} TFLOPS), backward {bwd:.2f} ms "
-            f"({f_bwd / bwd / 1e9:.0f} TFLOPS)")
+    args, kwargs = seen[0]
+    return "attention op alone: " + op_tflops(*args, **kwargs)
+
+
+def v32_tflops(T: int = 16384) -> str:
+    """:func:`op_tflops` at DeepSeek-V3.2's attention shapes, the bar the V4 shapes are held to:
+    H 128, ``(d_qk, d_v) = (576, 512)``, topk 2048, S = T keys, random indices, no sink, bf16."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, T, 128, D_QK, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kv = torch.randn(1, T, D_QK, device="cuda", dtype=torch.bfloat16, generator=gen)
+    indices = make_indices(T, T, 2048, "random", gen)[None]
+    return (f"the op at DeepSeek-V3.2's shapes (T {T}, H 128, d_qk 576, d_v 512, topk 2048, "
+            "random): " + op_tflops(q, kv, indices, sm_scale=D_QK**-0.5, d_v=D_V))
 
 
 def bench_hf_v4(Ts, layer: str, tiny: bool = False, warmup: int = 2, iters: int = 5,
@@ -243,10 +267,12 @@ def bench_hf_v4(Ts, layer: str, tiny: bool = False, warmup: int = 2, iters: int 
             with layer_mode(attn, mode):
                 mask = layer_mask(attn, inputs, mode)
 
+                layer = torch.compile(attn, dynamic=False, fullgraph=True) if mode == "compiled" else attn
+
                 def step():
                     for p in (inputs.hidden_states, *params):
                         p.grad = None
-                    out, _ = attn(hidden_states=inputs.hidden_states,
+                    out, _ = layer(hidden_states=inputs.hidden_states,
                                   position_embeddings=inputs.position_embeddings,
                                   position_ids=inputs.position_ids, attention_mask=mask)
                     out.backward(inputs.grad_output)
@@ -262,10 +288,10 @@ def bench_hf_v4(Ts, layer: str, tiny: bool = False, warmup: int = 2, iters: int 
                     with labelled_parts():
                         parts[mode] = breakdown(step, device, results[mode].ms, CATEGORIES)
                     if not tiny:
-                        extra = attention_op_tflops(step, sizes["head_dim"])
+                        extra = attention_op_tflops(step)
             for p in (inputs.hidden_states, *params):
                 p.grad = None
-            del mask, step
+            del mask, step, layer
         for mode in modes:
             base, m = results.get("patched"), results[mode]
             ratio = f"{m.ms / base.ms:.2f}x" if (base and m and mode != "patched") else ""
@@ -279,6 +305,8 @@ def bench_hf_v4(Ts, layer: str, tiny: bool = False, warmup: int = 2, iters: int 
         if extra:
             print(f"| {T} | {extra} | | | |", flush=True)
         del inputs
+    if show_breakdown and not tiny:
+        print(f"| | {v32_tflops()} | | | |", flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -290,7 +318,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token counts T (batch 1); default: 16384 32768 65536 131072 (with "
                              "--tiny: 64 128)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=None,
-                        help="default: eager patched flex (with --tiny: eager patched)")
+                        help="default: eager patched compiled flex (with --tiny: eager patched "
+                             "compiled)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls; default: 2")
     parser.add_argument("--iters", type=int, default=5,
                         help="timed calls, the median reported; default: 5")
@@ -307,7 +336,7 @@ def run(args: argparse.Namespace) -> None:
     if not args.tiny:
         require_sm90("kernels", tiny=True)
     require_transformers("hf-v4", "transformers.models.deepseek_v4")
-    modes = tuple(args.modes or (MODES[:2] if args.tiny else MODES))
+    modes = tuple(args.modes or (MODES[:3] if args.tiny else MODES))
     for layer in args.layer:
         bench_hf_v4(args.T or ([64, 128] if args.tiny else [16384, 32768, 65536, 131072]), layer,
                     tiny=args.tiny, warmup=args.warmup, iters=args.iters,
