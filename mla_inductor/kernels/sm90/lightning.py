@@ -81,25 +81,32 @@ there).
   the CTA about 102 KiB instead of 195 KiB. The ring was kept at 8 blocks (the bf16 kernel
   measured no difference between 4 and 8); a CTA still needs the whole register file (384
   threads x 168), so the freed shared memory buys no second CTA per SM.
-* The scales multiply the accumulator BEFORE the relu, in the reference's order:
-  ``relu((acc * q_scale[column]) * k_scale[row])``, then times the column's weight as in bf16
-  (``max.NaN``: a NaN in q, k or a scale shows in the scores). k_scale is one float per key
-  row: the producer copies the block's 64 with ``cp.async`` next to the block (zero for keys
-  ``>= S``, which are never stored) into a ring of 64 floats per stage, published by the
-  block's full barrier; each consumer thread reads its two rows' scales before it releases
-  the stage. q_scale is one float per accumulator column: the producer copies the tile's with
-  the weights, in the weights' permuted, padded layout (zero for padded heads and tokens), and
-  the consumer reads each token's ``w_per_token`` scales as one vector per key block (16
-  16-byte loads per thread and block). Kept in registers like the weights they would need 64
-  more registers next to 128 accumulators and 64 weights, past the consumers' 232; re-reading
-  them adds 32 KiB of shared-memory reads per block (the weights' cost before they moved to
-  registers). The scales cannot be folded into the weights outside the relu (``relu(a x) = a
-  relu(x)`` holds for ``a >= 0`` only, and the definition takes any float32 scale).
+* The scales: the definition applies them BEFORE the relu, ``relu((acc * q_scale[column]) *
+  k_scale[row])``, then the column's weight as in bf16. For finite scales >= 0 (every scale
+  ``quantize_fp8`` makes) that is ``k_scale[row] * (w * q_scale)[column] * relu(acc)``, so each
+  consumer thread multiplies its 64 register weights by their q_scale once per CTA and, per
+  block, runs the bf16 epilogue (a ``max.NaN`` and an FMA per accumulator) and one multiply by
+  k_scale per row and token. Where one of the thread's q_scales or one of its two rows' k_scales
+  is negative, infinite or NaN, that block's epilogue of the thread takes the definition's order
+  instead, with w and q_scale read from shared memory (``max.NaN``: a NaN in q, k or a scale
+  shows in the scores). Both epilogues run to the stores inside their branch, so no value
+  crosses it (an array of partial sums written in both branches went to local memory). The
+  folded order took the scores from 0.88-0.96x cuDNN frontend's fp8 pair to the figures in
+  docs/performance.md.
+* k_scale is one float per key row: the producer copies the block's 64 with ``cp.async`` next to
+  the block (zero for keys ``>= S``, which are never stored) into a ring of 64 floats per stage,
+  published by the block's full barrier; each consumer thread reads its two rows' scales before
+  it releases the stage. q_scale is one float per accumulator column: the producer copies the
+  tile's with the weights, in the weights' permuted, padded layout (zero for padded heads and
+  tokens).
 * A padded head's column is ``(0 * 0) * k_scale``: a key whose k_scale is infinite or NaN
   scores NaN when H is below the head tile (16, 32, 64). With finite scales the padded columns
   add exactly 0, as in bf16.
-* Not yet run on hardware: it compiles for sm_90a without spills (the CPU tests check it with
-  ptxas); its scores, speed and bitwise reruns are GPU tests that have not run.
+* Accuracy: Hopper's fp8 wgmma keeps about 14 bits of the running sum (DeepSeek-V3 report,
+  section 3.3.2). On an H100 (2026-12-06) the scores were off float64 by 2.2e-5 of ``sum_h |w|
+  |q_scale k_scale| (|q| . |k|)`` at 64 heads, exactly as much as cuDNN frontend's fp8 indexer
+  on the same inputs (1.8e-4 of the ``|q . k|`` bound that bf16 meets within 2e-5); the GPU
+  tests hold it to 2**-13 of that bound.
 
 Measured (H200, torch 2.11, CUDA 13.0, nvidia-cutlass-dsl 4.8.1, 2026-12-03; CUDA events,
 medians of 3 interleaved rounds; bf16, H 64, D 128, S = T, causal, TFLOPS on the causal FLOPs
@@ -142,6 +149,12 @@ SMEM_LIMIT = 227 * 1024
 W_PAD = 4  # floats of padding after each quad lane's row of weights (bank groups)
 BAR_TURN = 1  # named barriers BAR_TURN + role: "consumer `role` may issue its next block"
 DTYPES = {**TORCH_TO_CUTE, "float8_e4m3fn": Float8E4M3FN}
+
+
+@cute.jit
+def _finite_nonneg(x: Float32):
+    """``0 <= x <= FLT_MAX`` (false for NaN)."""
+    return (x >= Float32(0.0)) & (x <= Float32(3.4028234663852886e38))
 
 
 class LightningScoresSm90:
@@ -391,6 +404,15 @@ class LightningScoresSm90:
                 cute.arch.mbarrier_wait(mbar_q, 0)
                 for tok in cutlass.range_constexpr(tokens):
                     wr[tok, None].store(sW[quad, tok, None].load())
+                q_fast = None
+                if const_expr(self.fp8):  # wr = w * q_scale: the fast epilogue's weights
+                    qv = cute.make_rmem_tensor((self.w_per_token,), Float32)
+                    for tok in cutlass.range_constexpr(tokens):
+                        qv.store(sQs[quad, tok, None].load())
+                        for kk in cutlass.range_constexpr(self.w_per_token):
+                            ok = _finite_nonneg(qv[kk])
+                            q_fast = ok if q_fast is None else q_fast & ok
+                            wr[tok, kk] = wr[tok, kk] * qv[kk]
                 for i in cutlass.range(role, n_blocks, 2, unroll=1):
                     s = i % STAGES
                     cute.arch.mbarrier_wait(mbar_full + s, (i // STAGES) & 1)
@@ -414,33 +436,61 @@ class LightningScoresSm90:
                     if const_expr(self.fp8):  # the k_scale of this thread's two key rows
                         ks = (sKs[rows[0], s], sKs[rows[1], s])
                     cute.arch.mbarrier_arrive(mbar_empty + s)
-                    self._store_scores(acc, wr, sQs, ks, mBuf, rows, quad, lane,
+                    self._store_scores(acc, wr, sW, sQs, ks, q_fast, mBuf, rows, quad, lane,
                                        (kb0 + i) * TILE_KEYS, tok0, tok_end, t0, bz * n_tok, seq_k)
 
     @cute.jit
-    def _store_scores(self, acc, wr, sQs, ks, mBuf, rows, quad, lane, key0, tok0, tok_end, t0,
-                      buf_row0, seq_k):
+    def _store_scores(self, acc, wr, sW, sQs, ks, q_fast, mBuf, rows, quad, lane, key0, tok0,
+                      tok_end, t0, buf_row0, seq_k):
         """The block's scores of this thread's share: ``sum_h w * relu(acc)`` per (key row,
-        token) over the thread's columns (fp8: ``relu((acc * q_scale) * k_scale)``, q_scale of
-        the column read from shared memory ``sQs``, k_scale of the row in ``ks``),
-        reduce-scattered over the quad, stored by the lane that ends up holding them (keys
-        ``< S`` of tokens of the chunk only)."""
-        tokens = self.tokens
-        part = [Float32(0.0)] * (2 * tokens)  # [row half r][token]
-        qs = None
+        token) over the thread's columns, reduce-scattered over the quad, stored by the lane that
+        ends up holding them (keys ``< S`` of tokens of the chunk only).
+
+        fp8: ``sum_h w * relu((acc * q_scale) * k_scale)``. Where the thread's q_scales
+        (``q_fast``) and both its rows' k_scales are finite and >= 0 this is ``k_scale * sum_h
+        (w * q_scale) * relu(acc)`` (``wr`` holds ``w * q_scale``): the bf16 epilogue and one
+        multiply per row and token. Otherwise (a negative, infinite or NaN scale) the
+        definition's order, with w and q_scale read from shared memory (``sW``, ``sQs``). Each
+        branch runs to the stores, so that no value crosses it."""
+        store = (mBuf, rows, lane, key0, tok0, tok_end, t0, buf_row0, seq_k, quad)
         if const_expr(self.fp8):
-            qs = cute.make_rmem_tensor((self.w_per_token,), Float32)
-        for tok in cutlass.range_constexpr(tokens):
-            if const_expr(self.fp8):
-                qs.store(sQs[quad, tok, None].load())
-            for kk in cutlass.range_constexpr(self.w_per_token):
-                k = tok * self.w_per_token + kk
-                for r in cutlass.range_constexpr(2):
-                    i = 4 * (k // 2) + 2 * r + k % 2
-                    x = acc[i]
-                    if const_expr(self.fp8):
-                        x = x * qs[kk] * ks[r]
-                    part[r * tokens + tok] = part[r * tokens + tok] + relu_nan(x) * wr[tok, kk]
+            if q_fast & _finite_nonneg(ks[0]) & _finite_nonneg(ks[1]):
+                self._reduce_and_store(self._sums(acc, wr, None, None, ks, quad), *store)
+            else:
+                self._reduce_and_store(self._sums(acc, None, sW, sQs, ks, quad), *store)
+        else:
+            self._reduce_and_store(self._sums(acc, wr, None, None, None, quad), *store)
+
+    @cute.jit
+    def _sums(self, acc, wr, sW, sQs, ks, quad):
+        """The thread's partial scores ``[row half r][token]`` (a list): ``sum_k relu(acc) *
+        wr[tok, k]`` over its columns k of each token, times ``ks[r]`` where given with ``wr``;
+        with ``sW`` (fp8, the definition's order) ``sum_k relu((acc * sQs[k]) * ks[r]) * sW[k]``,
+        read element by element from shared memory (no registers next to wr)."""
+        tokens = self.tokens
+        part = [Float32(0.0)] * (2 * tokens)
+        for r in cutlass.range_constexpr(2):
+            for tok in cutlass.range_constexpr(tokens):
+                total = Float32(0.0)
+                for kk in cutlass.range_constexpr(self.w_per_token):
+                    k = tok * self.w_per_token + kk
+                    x = acc[4 * (k // 2) + 2 * r + k % 2]
+                    if const_expr(sW is None):
+                        total = total + relu_nan(x) * wr[tok, kk]
+                    else:
+                        total = total + (relu_nan(x * sQs[quad, tok, kk] * ks[r])
+                                         * sW[quad, tok, kk])
+                if const_expr(sW is None and ks is not None):
+                    total = total * ks[r]
+                part[r * tokens + tok] = total
+        return part
+
+    @cute.jit
+    def _reduce_and_store(self, part, mBuf, rows, lane, key0, tok0, tok_end, t0, buf_row0, seq_k,
+                          quad):
+        """Reduce-scatters the partial scores ``part`` (:meth:`_sums`) over the quad and stores
+        each lane's share."""
+        tokens = self.tokens
         # reduce-scatter over the quad: lane bit 1 keeps a half of the tokens, bit 0 a quarter
         b1 = (lane & 2) != 0
         b0 = (lane & 1) != 0
