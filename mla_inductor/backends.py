@@ -143,23 +143,10 @@ def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims,
         ok, reason = False, f"the {arch} backend has no {direction} kernel yet"
     if ok:
         ok, reason = _supports(candidate, dtype, direction, dims)
-    if ok and (arch, direction, dtype) in UNVERIFIED:
-        ok, reason = False, UNVERIFIED[arch, direction, dtype]
     if not ok:
         return _fall_back(direction, reason)
     check_deterministic(arch, direction, deterministic)
     return candidate
-
-
-# The (backend, direction, dtype) kernels that compile but have not passed their GPU tests:
-# ``auto`` does not choose them (the reference runs, with the fallback warning, which says why);
-# a forced backend runs them. A kernel's entry goes once its GPU tests pass.
-UNVERIFIED = {
-    ("sm90", "lightning_indexer", torch.float8_e4m3fn):
-        "the sm90 float8_e4m3fn lightning indexer kernel has not passed its GPU tests yet (its "
-        "scores were 1.4e-4 of the products' magnitude off float64 on an H100, where float32 "
-        "accumulation allows 2e-5); use_backend('sm90') runs it",
-}
 
 
 def _op(direction: str) -> str:

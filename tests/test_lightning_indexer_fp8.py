@@ -324,19 +324,10 @@ def test_the_op_and_its_fake_check_the_canonical_scales():
 def test_auto_on_sm90_runs_fp8_on_its_kernel_and_other_widths_on_the_reference(
         fake_gpu, monkeypatch):
     """sm90 has an fp8 score kernel for D = 128 and 1 to 64 heads: auto picks it for fp8 as for
-    bf16 once it has run on hardware (until then auto falls back, saying so), and falls back for
-    another D (its reason in the warning)."""
+    bf16, and falls back for another D (its reason in the warning)."""
     fake_gpu((9, 0))
     monkeypatch.setattr(sm90, "available", lambda: (True, ""))
     assert backends.select(CUDA, torch.bfloat16, "lightning_indexer", DIMS) is sm90
-    if ("sm90", "lightning_indexer", FP8) in backends.UNVERIFIED:
-        assert fallback_warnings((CUDA, FP8, "lightning_indexer", DIMS)) == [
-            "mla_inductor: sparse-MLA lightning_indexer falls back to the PyTorch reference "
-            "backend, which is much slower (often 50-100x): the sm90 float8_e4m3fn lightning "
-            "indexer kernel has not passed its GPU tests yet (its scores were 1.4e-4 of the "
-            "products' magnitude off float64 on an H100, where float32 accumulation allows "
-            "2e-5); use_backend('sm90') runs it"]
-        monkeypatch.setattr(backends, "UNVERIFIED", {})
     assert backends.select(CUDA, FP8, "lightning_indexer", DIMS) is sm90
     narrow = (CUDA, FP8, "lightning_indexer", DIMS[:3] + (64,) + DIMS[4:])
     assert fallback_warnings(narrow) == [
