@@ -102,18 +102,25 @@ def test_layer_attention_matches_float64_on_sampled_rows(layer):
     assert d_sink_err <= 1e-2
 
 
-def test_csa_indexer_selection_matches_float64():
+@pytest.mark.parametrize("fp8", [False, True])
+def test_csa_indexer_selection_matches_float64(fp8):
     """The V4 CSA indexer's call: T 8192 tokens over C = T/4 compressed keys, 64 index heads of
-    128, topk 512, token t seeing entries j < (t + 1) // 4; the selected entries are the top ones
-    of the float64 scores up to float32 rounding (the check of the bf16 indexer's tests)."""
+    128, topk 512, token t seeing entries j < (t + 1) // 4, in bf16 or on q and k quantised per
+    row (``apply(model, indexer_precision="fp8")``); the selected entries are the top ones of the
+    float64 scores up to the rounding the indexer's own tests allow."""
     from test_sm90_lightning import _check_selection, _inputs
+
+    from mla_inductor import lightning_indexer, quantize_fp8
 
     T_, C, topk = 8192, 2048, 512
     q, k, w, _ = _inputs(1, T_, C, 64, seed=3)
+    scales = {}
+    if fp8:
+        (q, q_scale), (k, k_scale) = quantize_fp8(q), quantize_fp8(k)
+        scales = dict(q_scale=q_scale, k_scale=k_scale)
     pos = ((torch.arange(T_, device="cuda") + 1) // 4 - 1).to(torch.int32)[None]
     with use_backend("sm90"):
-        from mla_inductor import lightning_indexer
-
         indices, scores = lightning_indexer(q, k, w, topk, causal=True, q_positions=pos,
-                                            return_scores=True)
-    _check_selection(q, k, w, pos, topk, indices, scores)
+                                            return_scores=True, **scales)
+    _check_selection(q, k, w, pos, topk, indices, scores,
+                     scales=(scales.get("q_scale"), scales.get("k_scale")))

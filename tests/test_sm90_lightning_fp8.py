@@ -149,15 +149,17 @@ def test_indexer_cuda_graph_replay():
     assert torch.equal(out[0], expect[0]) and torch.equal(out[1], expect[1])
 
 
-@pytest.mark.parametrize("with_q_scale", [True, False])
-def test_a_forced_sm90_runs_fp8(with_q_scale):
-    """The public op under ``use_backend("sm90")``: no error, no fallback warning, the
-    definition's selection (flat layout, causal with the default bottom-right positions)."""
+@pytest.mark.parametrize("backend,with_q_scale", [("sm90", True), ("sm90", False),
+                                                   ("auto", True)])
+def test_the_op_runs_fp8_on_the_kernel(backend, with_q_scale):
+    """The public op under ``use_backend(backend)`` (``auto`` chooses the kernel): no error, no
+    fallback warning, the definition's selection (flat layout, causal with the default
+    bottom-right positions)."""
     q8, k8, w, _, (qs, ks) = _inputs(1, 1500, 1800, 64, seed=10)
     qs = qs if with_q_scale else None
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with use_backend("sm90"):
+        with use_backend(backend):
             indices, scores = lightning_indexer(q8[0], k8[0], w[0], 512, causal=True,
                                                 return_scores=True, q_scale=None if qs is None
                                                 else qs[0], k_scale=ks[0])
