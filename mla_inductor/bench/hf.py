@@ -31,8 +31,8 @@ ms = median of ``--iters`` calls after ``--warmup`` untimed ones, CUDA events
 kernels); peak GiB = ``torch.cuda.max_memory_allocated`` over those calls minus what was
 allocated before them (weights, inputs, mask). An out-of-memory prints ``OOM`` and the run goes
 on. Needs the ``transformers`` extra. ``--tiny``: a small config (hidden 64, 4 heads, q_lora 32,
-kv_lora 32, rope 16, topk 16) on the CPU in float32 (the op's reference backend), T 64 and 128:
-a smoke run in seconds, no memory figures.
+kv_lora 32, rope 16, topk 16) on the CPU in float32 (the op's reference backend), T 64 and 128,
+on one CPU thread (:mod:`mla_inductor.threads`): a smoke run in seconds, no memory figures.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..threads import cpu_threads, default_threads
 from .problems import require_sm90, require_transformers
 from .timing import time_ms_calls
 
@@ -342,7 +343,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=5,
                         help="timed calls per T and mode, the median reported; default: 5")
     parser.add_argument("--tiny", action="store_true",
-                        help="a small config on the CPU in float32: a smoke run in seconds")
+                        help="a small config on the CPU in float32, one CPU thread: a smoke run "
+                             "in seconds")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
                         help="the layer's modes to time; default: eager sdpa patched "
                              "(patched+loss: patched with the indexer loss on)")
@@ -357,6 +359,7 @@ def run(args: argparse.Namespace) -> None:
     if not args.tiny:
         require_sm90("kernels", tiny=True)
     require_transformers("hf")
-    bench_hf(args.T or ([64, 128] if args.tiny else [4096, 16384]),
-             args.topk or (16 if args.tiny else 2048), tiny=args.tiny, warmup=args.warmup,
-             iters=args.iters, show_breakdown=args.breakdown, modes=tuple(args.modes))
+    with cpu_threads(default_threads("cpu" if args.tiny else "cuda")):
+        bench_hf(args.T or ([64, 128] if args.tiny else [4096, 16384]),
+                 args.topk or (16 if args.tiny else 2048), tiny=args.tiny, warmup=args.warmup,
+                 iters=args.iters, show_breakdown=args.breakdown, modes=tuple(args.modes))

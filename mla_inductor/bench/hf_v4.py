@@ -33,7 +33,9 @@ ms = median of ``--iters`` calls after ``--warmup`` untimed ones, CUDA events; p
 ``hf``. An out-of-memory prints ``OOM``, and an error of FlexAttention (its compiler may refuse
 a shape) ``fails:`` with the error's first line; the run goes on. Needs the ``transformers`` extra.
 ``--tiny``: a small config on the CPU in float32 (eager, patched and compiled; FlexAttention has
-no CPU backward), T 64 and 128: a smoke run in about a minute (mostly compiling).
+no CPU backward), T 64 and 128, on one CPU thread (:mod:`mla_inductor.threads`: with more, the
+small ops' timings swing by 50x when other processes share the cores): a smoke run in about a
+minute (mostly compiling).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..threads import cpu_threads, default_threads
 from .hf import _cells, breakdown, measure
 from .problems import D_QK, D_V, make_indices, require_sm90, require_transformers
 from .timing import time_ms
@@ -258,7 +261,7 @@ def bench_hf_v4(Ts, layer: str, tiny: bool = False, warmup: int = 2, iters: int 
                        f" x {sizes['index_head_dim']})" if layer == "csa" else "") +
           f", batch 1, {str(dtype).removeprefix('torch.')}; ms: median of {iters} calls after "
           f"{warmup}")
-    print("| T | mode | ms | peak GiB | speedup (mode ms / patched ms) |")
+    print("| T | mode | ms | peak GiB | mode ms / patched ms (below 1: faster than patched) |")
     print("|---|---|---|---|---|")
     for T in Ts:
         inputs = make_inputs(attn, rotary, T)
@@ -324,7 +327,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=5,
                         help="timed calls, the median reported; default: 5")
     parser.add_argument("--tiny", action="store_true",
-                        help="a small config on the CPU in float32: a smoke run in seconds")
+                        help="a small config on the CPU in float32, one CPU thread: a smoke run "
+                             "of about a minute (mostly compiling)")
     parser.add_argument("--breakdown", action="store_true",
                         help="after each T, the patched step's kernel time per part and the "
                              "attention op's TFLOPS alone")
@@ -337,7 +341,8 @@ def run(args: argparse.Namespace) -> None:
         require_sm90("kernels", tiny=True)
     require_transformers("hf-v4", "transformers.models.deepseek_v4")
     modes = tuple(args.modes or (MODES[:3] if args.tiny else MODES))
-    for layer in args.layer:
-        bench_hf_v4(args.T or ([64, 128] if args.tiny else [16384, 32768, 65536, 131072]), layer,
-                    tiny=args.tiny, warmup=args.warmup, iters=args.iters,
-                    show_breakdown=args.breakdown, modes=modes)
+    with cpu_threads(default_threads("cpu" if args.tiny else "cuda")):
+        for layer in args.layer:
+            bench_hf_v4(args.T or ([64, 128] if args.tiny else [16384, 32768, 65536, 131072]),
+                        layer, tiny=args.tiny, warmup=args.warmup, iters=args.iters,
+                        show_breakdown=args.breakdown, modes=modes)
