@@ -10,7 +10,7 @@ allocates on top of its inputs, ``ours / cuDNN speed`` (cuDNN's ms over ours: ab
 faster), and the agreement of the two selections: the fraction of cuDNN's
 keys that ours also selects, over the last rows (they see the most keys). cuDNN is given
 ``sm_scale = D**-0.5`` and ours the same scale folded into the weights (``relu(a·x) = a·relu(x)``
-for ``a > 0``). ``--tiny`` runs small problems on the CPU (the reference backend), without cuDNN:
+for ``a > 0``). ``--tiny`` runs small problems on the CPU (the reference backend, one CPU thread), without cuDNN:
 the median of ``--rounds`` calls, each timed alone, after one untimed call (the first call of
 the op costs far more than the next ones).
 
@@ -31,6 +31,7 @@ import datetime
 
 import torch
 
+from ..threads import cpu_threads, default_threads
 from .indexer import peak_bytes
 from .problems import require_sm90
 from .timing import time_ms_calls, time_ms_interleaved
@@ -181,7 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="interleaved timing rounds (with --tiny: timed calls, after one "
                              "untimed call); default: 5")
     parser.add_argument("--tiny", action="store_true",
-                        help="small problems on the CPU (reference backend): a smoke run")
+                        help="small problems on the CPU (reference backend, one CPU thread): a "
+                             "smoke run")
     parser.add_argument("--fp8", action="store_true",
                         help="q and k quantised per row to e4m3 (quantize_fp8), cuDNN in its fp8 "
                              "precision; adds the recall of the bf16 selection")
@@ -195,7 +197,8 @@ def run(args: argparse.Namespace) -> None:
     if not args.tiny:
         require_sm90("lightning indexer", tiny=True)
     tiny = args.tiny
-    bench_lightning(args.T or ([128, 512] if tiny else [16384, 32768, 65536, 131072]),
-                    args.H or (4 if tiny else 64), args.D or (32 if tiny else 128),
-                    args.topk or (16 if tiny else 2048), tiny=tiny, rounds=args.rounds,
-                    fp8=args.fp8)
+    with cpu_threads(default_threads("cpu" if tiny else "cuda")):
+        bench_lightning(args.T or ([128, 512] if tiny else [16384, 32768, 65536, 131072]),
+                        args.H or (4 if tiny else 64), args.D or (32 if tiny else 128),
+                        args.topk or (16 if tiny else 2048), tiny=tiny, rounds=args.rounds,
+                        fp8=args.fp8)
