@@ -10,9 +10,9 @@ allocates on top of its inputs, ``ours / cuDNN speed`` (cuDNN's ms over ours: ab
 faster), and the agreement of the two selections: the fraction of cuDNN's
 keys that ours also selects, over the last rows (they see the most keys). cuDNN is given
 ``sm_scale = D**-0.5`` and ours the same scale folded into the weights (``relu(a·x) = a·relu(x)``
-for ``a > 0``). ``--tiny`` runs small problems on the CPU (the reference backend, one CPU thread), without cuDNN:
-the median of ``--rounds`` calls, each timed alone, after one untimed call (the first call of
-the op costs far more than the next ones).
+for ``a > 0``). ``--tiny`` runs small problems on the CPU (the reference backend, one CPU
+thread), without cuDNN: the median of ``--rounds`` calls, each timed alone, after one untimed
+call (the first call of the op costs far more than the next ones).
 
 ``--fp8``: the fp8 indexer of DeepSeek-V3.2-Exp's inference code. q and k are quantised per row
 by :func:`mla_inductor.quantize_fp8` (``q_scale [T, H]``, ``k_scale [S]`` float32) and the weights
