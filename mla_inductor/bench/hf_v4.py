@@ -270,7 +270,9 @@ def bench_hf_v4(Ts, layer: str, tiny: bool = False, warmup: int = 2, iters: int 
             with layer_mode(attn, mode):
                 mask = layer_mask(attn, inputs, mode)
 
-                layer = torch.compile(attn, dynamic=False, fullgraph=True) if mode == "compiled" else attn
+                layer = attn
+                if mode == "compiled":
+                    layer = torch.compile(attn, dynamic=False, fullgraph=True)
 
                 def step():
                     for p in (inputs.hidden_states, *params):

@@ -127,7 +127,8 @@ def bench_lightning(Ts, H: int, D: int, topk: int, tiny: bool = False, rounds: i
           + ("" if anchor or tiny else "; cuDNN frontend not installed"))
     recall = " recall of the bf16 selection |" if fp8 else ""
     print("| T | ours ms | ours TFLOPS | ours peak GiB | cuDNN scores + top-k ms | cuDNN TFLOPS "
-          "| cuDNN peak GiB | ours / cuDNN speed (cuDNN ms / ours ms) | agreement with cuDNN |" + recall)
+          "| cuDNN peak GiB | ours / cuDNN speed (cuDNN ms / ours ms) | agreement with cuDNN |"
+          + recall)
     print("|---|---|---|---|---|---|---|---|---|" + ("---|" if fp8 else ""))
     for T in Ts:
         q, k, weights = make_problem(T, H, D, device, dtype)

@@ -73,8 +73,8 @@ def bench_lightning_scores(Ts, H: int, D: int, topk: int, rounds: int = 5) -> No
           f"bf16, {datetime.date.today()}, {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}; TFLOPS on 2*T*H*topk*D (forward), 3x that (backward)"
           + ("" if anchor else "; cuDNN frontend not installed"))
-    print("| T | pass | ours ms | ours TFLOPS | cuDNN ms | cuDNN TFLOPS | ours / cuDNN speed (cuDNN ms / ours ms) | "
-          "agreement (rel L2 to cuDNN) |")
+    print("| T | pass | ours ms | ours TFLOPS | cuDNN ms | cuDNN TFLOPS | ours / cuDNN speed "
+          "(cuDNN ms / ours ms) | agreement (rel L2 to cuDNN) |")
     print("|---|---|---|---|---|---|---|---|")
     for T in Ts:
         for cells in _rows(T, H, D, topk, anchor, rounds):
