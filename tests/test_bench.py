@@ -165,7 +165,12 @@ def test_hf_tiny_prints_every_row_on_the_cpu(capsys):
         (T, mode) for T in (64, 128) for mode in (*hf.DEFAULT_MODES, *hf.INDEXER_ROWS)]
     for T, mode, ms, peak, speedup in rows:
         assert float(ms) > 0 and peak == "-"
-        assert re.fullmatch(r"\d+\.\dx", speedup) if mode == "patched" else speedup == ""
+        if mode == "patched":
+            assert re.fullmatch(r"\d+\.\dx", speedup)
+        elif mode == "compiled":
+            assert re.fullmatch(r"\d+\.\d\dx patched's time", speedup)
+        else:
+            assert speedup == ""
 
 
 def test_hf_tiny_with_the_indexer_loss(capsys):
@@ -253,8 +258,8 @@ def test_time_ms_calls_times_the_calls_after_the_warmup():
 
 def test_hf_tiny_layer_modes_agree(monkeypatch):
     """The tiny layer's output and input gradient (T 128, topk 16: the indexer's choice matters)
-    on sdpa and patched against eager, float32, within the integration's own tolerances
-    (tests/test_transformers.py); only the patched mode calls the op."""
+    on sdpa, patched and compiled against eager, float32, within the integration's own
+    tolerances (tests/test_transformers.py); of the uncompiled modes only patched calls the op."""
     pytest.importorskip("transformers")
     from mla_inductor.integrations import transformers as mla_hf
 
@@ -268,12 +273,16 @@ def test_hf_tiny_layer_modes_agree(monkeypatch):
     found = {}
     for mode in hf.DEFAULT_MODES:
         with hf.layer_mode(attn, mode):
-            out = hf.forward(attn, inputs, hf.causal_mask(attn, inputs))
+            layer = attn
+            if mode == "compiled":
+                monkeypatch.setattr(mla_hf.deepseek_v32, "sparse_mla", op)
+                layer = torch.compile(attn, fullgraph=True)
+            out = hf.forward(layer, inputs, hf.causal_mask(attn, inputs))
         grad, = torch.autograd.grad(out, inputs.hidden_states, inputs.grad_output)
         found[mode] = out.detach(), grad, len(calls)
-    assert [n for _, _, n in found.values()] == [0, 0, 1]
+    assert [n for _, _, n in found.values()] == [0, 0, 1, 1]
     out, grad, _ = found["eager"]
-    for mode in ("sdpa", "patched"):
+    for mode in ("sdpa", "patched", "compiled"):
         assert rel_l2(found[mode][0], out) <= 1e-5, mode
         assert rel_l2(found[mode][1], grad) <= 1e-4, mode
 

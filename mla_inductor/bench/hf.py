@@ -11,6 +11,9 @@ gradient, every parameter's gradient) at each T, in these modes:
 - ``patched``: the same layer after :func:`mla_inductor.integrations.transformers.apply` (the
   absorbed form on ``sparse_mla``, the indexer's top-k from ``lightning_indexer``), given what the
   patched model passes its layers instead of a mask: each token's position (no ``[T, T]`` tensor);
+- ``compiled``: ``patched`` under ``torch.compile(fullgraph=True)`` (inductor fuses the layer's
+  elementwise work around the ops; compiled once per T, outside the timed calls), what a user who
+  compiles the model runs. Its last column is its time over ``patched``'s;
 - ``patched+loss`` (only when asked for with ``--modes``): ``patched`` with DeepSeek-V3.2's
   indexer loss on (``apply(model, indexer_loss=True)``): the step also computes the layer's
   indexer KL loss and backpropagates it with the output's gradient (the target,
@@ -60,8 +63,9 @@ TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora
 YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
             original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
             mscale_all_dim=1.0)
-MODES = ("eager", "sdpa", "patched", "patched+loss")
-DEFAULT_MODES = MODES[:3]
+MODES = ("eager", "sdpa", "patched", "compiled", "patched+loss")
+DEFAULT_MODES = MODES[:4]
+UNPATCHED = ("eager", "sdpa")
 INDEXER_ROWS = ("transformers' indexer alone (fwd)", "lightning indexer alone (fwd)")
 
 
@@ -114,13 +118,13 @@ def make_inputs(attn, rotary, T: int) -> Inputs:
 def layer_mode(attn, mode: str):
     """Runs the block with ``attn`` in ``mode`` (one of :data:`MODES`): its config's
     ``attn_implementation`` set to ``eager`` or ``sdpa`` (which also picks the mask
-    :func:`causal_mask` builds), or, for ``patched`` and ``patched+loss``, ``sdpa`` with the layer
-    switched by :func:`mla_inductor.integrations.transformers.switched` (its indexer loss on for
+    :func:`causal_mask` builds), or, for the other modes, ``sdpa`` with the layer switched by
+    :func:`mla_inductor.integrations.transformers.switched` (its indexer loss on for
     ``patched+loss``)."""
     from mla_inductor.integrations import transformers as mla_hf
 
     attn.config._attn_implementation = "eager" if mode == "eager" else "sdpa"
-    patched = mode.startswith("patched")
+    patched = mode not in UNPATCHED
     with (mla_hf.switched(attn, indexer_loss=mode == "patched+loss") if patched
           else contextlib.nullcontext()):
         yield
@@ -237,13 +241,14 @@ def _cells(m: Optional[Measurement]) -> str:
 
 def _speedup(results: dict, mode: str) -> str:
     """The table's last column for ``mode``: patched's speedup over the best unpatched mode,
-    patched+loss's time over patched's; empty for the others or with nothing to compare."""
-    if mode == "patched+loss":
-        base, loss = results.get("patched"), results[mode]
-        return f"{loss.ms / base.ms:.2f}x patched's time" if base and loss else ""
+    compiled's and patched+loss's time over patched's; empty for the others or with nothing to
+    compare."""
+    if mode in ("compiled", "patched+loss"):
+        base, other = results.get("patched"), results[mode]
+        return f"{other.ms / base.ms:.2f}x patched's time" if base and other else ""
     if mode != "patched" or results["patched"] is None:
         return ""
-    unpatched = [m for name, m in results.items() if not name.startswith("patched")]
+    unpatched = [m for name, m in results.items() if name in UNPATCHED]
     if not unpatched:  # patched alone: nothing to compare
         return ""
     if all(m is None for m in unpatched):
@@ -287,13 +292,15 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
         results, parts = {}, {}
         for mode in modes:
             with layer_mode(attn, mode):
-                patched = mode.startswith("patched")
-                mask = visibility(inputs) if patched else causal_mask(attn, inputs)
+                mask = causal_mask(attn, inputs) if mode in UNPATCHED else visibility(inputs)
+                layer = attn
+                if mode == "compiled":
+                    layer = torch.compile(attn, dynamic=False, fullgraph=True)
 
                 def step():
                     for p in (inputs.hidden_states, *params):
                         p.grad = None
-                    out = forward(attn, inputs, mask)
+                    out = forward(layer, inputs, mask)
                     if mode == "patched+loss":
                         loss = mla_hf.indexer_loss(attn)
                         torch.autograd.backward((out, loss), (inputs.grad_output, None))
@@ -301,11 +308,12 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
                         out.backward(inputs.grad_output)
 
                 results[mode] = measure(step, device, warmup, iters)
-                if show_breakdown and patched and results[mode] is not None:
+                if (show_breakdown and mode.startswith("patched")
+                        and results[mode] is not None):
                     parts[mode] = breakdown(step, device, results[mode].ms)
             for p in (inputs.hidden_states, *params):
                 p.grad = None
-            del mask, step
+            del mask, step, layer
             speedup = _speedup(results, mode)
             print(f"| {T} | {mode} | {_cells(results[mode])} | {speedup} |", flush=True)
         unit = "kernel" if device.type == "cuda" else "CPU self"
@@ -313,7 +321,7 @@ def bench_hf(Ts, topk: int, tiny: bool = False, warmup: int = 2, iters: int = 5,
             print(f"| {T} | {mode}, {unit} ms: " + ", ".join(
                 f"{name} {ms:.1f}" for name, ms in part.items()) +
                 f"; busy / wall {part['busy'] / results[mode].ms:.2f} | | | |", flush=True)
-        unpatched = any(not mode.startswith("patched") for mode in modes)
+        unpatched = any(mode in UNPATCHED for mode in modes)
         with layer_mode(attn, "sdpa"):
             mask = causal_mask(attn, inputs)[:, 0] if unpatched else None
         with torch.no_grad():
@@ -346,7 +354,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a small config on the CPU in float32, one CPU thread: a smoke run "
                              "in seconds")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
-                        help="the layer's modes to time; default: eager sdpa patched "
+                        help="the layer's modes to time; default: eager sdpa patched compiled "
                              "(patched+loss: patched with the indexer loss on)")
     parser.add_argument("--breakdown", action="store_true",
                         help="after each T, the patched steps' time per part (indexer, "
