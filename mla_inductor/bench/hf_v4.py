@@ -9,7 +9,9 @@ every parameter's gradient) at each T, in these modes:
 
 - ``eager``: the layer as transformers runs it (dense attention over ``cat(window keys,
   compressed entries)`` under an additive ``[1, 1, T, T + C]`` mask, float32 logits; the CSA
-  indexer's scores ``[1, T, 64, C]``);
+  indexer's scores ``[1, T, 64, C]``); transformers 5.24's V4 has no other attention
+  implementation (``_supports_sdpa``, ``_supports_flash_attn`` and ``_supports_flex_attn`` are
+  False);
 - ``patched``: the same layer after :func:`mla_inductor.integrations.transformers.apply`
   (:mod:`mla_inductor.integrations.transformers.deepseek_v4`: the window and the entries as
   ``sparse_mla``'s slots, the indexer on ``lightning_indexer``), given the positions and the
