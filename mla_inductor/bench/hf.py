@@ -48,8 +48,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..threads import cpu_threads, default_threads
-from .problems import require_sm90, require_transformers
+from .problems import require_sm90, require_transformers, run_threads
 from .timing import time_ms_calls
 
 # DeepSeek-V3.2's attention widths (its config.json); index_topk comes from --topk.
@@ -367,7 +366,7 @@ def run(args: argparse.Namespace) -> None:
     if not args.tiny:
         require_sm90("kernels", tiny=True)
     require_transformers("hf")
-    with cpu_threads(default_threads("cpu" if args.tiny else "cuda")):
+    with run_threads(args.tiny):
         bench_hf(args.T or ([64, 128] if args.tiny else [4096, 16384]),
                  args.topk or (16 if args.tiny else 2048), tiny=args.tiny, warmup=args.warmup,
                  iters=args.iters, show_breakdown=args.breakdown, modes=tuple(args.modes))

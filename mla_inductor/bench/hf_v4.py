@@ -49,9 +49,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..threads import cpu_threads, default_threads
 from .hf import _cells, breakdown, measure
-from .problems import D_QK, D_V, make_indices, require_sm90, require_transformers
+from .problems import (D_QK, D_V, make_indices, require_sm90, require_transformers,
+                       run_threads)
 from .timing import time_ms
 
 LAYER_TYPES = {"csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention"}
@@ -193,8 +193,13 @@ def labelled_parts():
 
 
 def op_tflops(q, kv, indices, **kwargs) -> str:
-    """``sparse_mla(q, kv, indices, **kwargs)`` alone: forward and backward ms (medians of
-    ``triton.testing.do_bench``) and TFLOPS on the valid slots (module docstring)."""
+    """``sparse_mla(q, kv, indices, **kwargs)`` alone on CUDA, as one line of text: the valid
+    slots per token, forward and backward milliseconds (medians of ``triton.testing.do_bench``;
+    the backward: dq and dkv from a fixed random output gradient) and their TFLOPS on the valid
+    slots (module docstring). ``q [..., T, H, d_qk]``, ``kv [..., S, d_qk]`` (bf16 / fp16),
+    ``indices [..., T, topk]`` int32, ``kwargs`` as :func:`mla_inductor.sparse_mla` takes them
+    (``d_v`` default ``d_qk``); a slot counts when ``0 <= index < S`` and it lies below
+    ``topk_length``. Errors are the op's."""
     from mla_inductor import sparse_mla
 
     q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
@@ -217,7 +222,8 @@ def op_tflops(q, kv, indices, **kwargs) -> str:
 
 
 def attention_op_tflops(step) -> str:
-    """:func:`op_tflops` on the inputs the patched ``step()`` passes the op."""
+    """:func:`op_tflops` on the inputs the patched ``step()`` (one forward + backward of the
+    switched layer, which is run once) passes the op, prefixed ``attention op alone: ``."""
     from mla_inductor.integrations.transformers import deepseek_v4
 
     seen = []
@@ -233,7 +239,9 @@ def attention_op_tflops(step) -> str:
 
 def v32_tflops(T: int = 16384) -> str:
     """:func:`op_tflops` at DeepSeek-V3.2's attention shapes, the bar the V4 shapes are held to:
-    H 128, ``(d_qk, d_v) = (576, 512)``, topk 2048, S = T keys, random indices, no sink, bf16."""
+    H 128, ``(d_qk, d_v) = (576, 512)``, topk 2048, S = T keys, random indices, no sink, bf16,
+    batch 1, on CUDA (about 2.5 GiB of inputs at T 16384); :func:`op_tflops`'s line, prefixed
+    with the shape."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, T, 128, D_QK, device="cuda", dtype=torch.bfloat16, generator=gen)
     kv = torch.randn(1, T, D_QK, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -345,7 +353,7 @@ def run(args: argparse.Namespace) -> None:
         require_sm90("kernels", tiny=True)
     require_transformers("hf-v4", "transformers.models.deepseek_v4")
     modes = tuple(args.modes or (MODES[:3] if args.tiny else MODES))
-    with cpu_threads(default_threads("cpu" if args.tiny else "cuda")):
+    with run_threads(args.tiny):
         for layer in args.layer:
             bench_hf_v4(args.T or ([64, 128] if args.tiny else [16384, 32768, 65536, 131072]),
                         layer, tiny=args.tiny, warmup=args.warmup, iters=args.iters,

@@ -31,9 +31,8 @@ import datetime
 
 import torch
 
-from ..threads import cpu_threads, default_threads
 from .indexer import peak_bytes
-from .problems import require_sm90
+from .problems import require_sm90, run_threads
 from .timing import time_ms_calls, time_ms_interleaved
 
 AGREEMENT_ROWS = 256  # rows of the selection compared with cuDNN's (the last ones)
@@ -198,7 +197,7 @@ def run(args: argparse.Namespace) -> None:
     if not args.tiny:
         require_sm90("lightning indexer", tiny=True)
     tiny = args.tiny
-    with cpu_threads(default_threads("cpu" if tiny else "cuda")):
+    with run_threads(tiny):
         bench_lightning(args.T or ([128, 512] if tiny else [16384, 32768, 65536, 131072]),
                         args.H or (4 if tiny else 64), args.D or (32 if tiny else 128),
                         args.topk or (16 if tiny else 2048), tiny=tiny, rounds=args.rounds,

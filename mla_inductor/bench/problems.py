@@ -1,11 +1,13 @@
-"""The benchmarks' problems: DeepSeek V3.2's widths, the index patterns, the shape flags, and
-the check that the SM90 kernels can run here."""
+"""The benchmarks' problems: DeepSeek V3.2's widths, the index patterns, the shape flags, the
+checks that the SM90 kernels and transformers are here, and the CPU thread count of a run."""
 
 from __future__ import annotations
 
 import argparse
 
 import torch
+
+from ..threads import cpu_threads, default_threads
 
 D_QK, D_V = 576, 512
 PATTERNS = ("random", "causal")
@@ -43,6 +45,13 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, kv_length: str = "2T
     parser.add_argument("--topk", type=int, default=2048, help="slots per token; default: 2048")
     parser.add_argument("--indices", choices=PATTERNS, nargs="+", default=list(patterns),
                         help=f"index patterns; default: {' '.join(patterns)}")
+
+
+def run_threads(tiny: bool):
+    """The CPU thread count a subcommand runs under, as a context manager: one thread for a
+    ``--tiny`` run on the CPU (:mod:`mla_inductor.threads` says why), torch's own count
+    otherwise."""
+    return cpu_threads(default_threads("cpu" if tiny else "cuda"))
 
 
 def require_sm90(what: str, tiny: bool = False) -> None:
