@@ -309,8 +309,9 @@ def test_hf_v4_tiny_prints_every_row_and_breakdown_on_the_cpu(capsys):
 
 def test_hf_v4_tiny_modes_agree():
     """The tiny V4 layers' output and input gradient, patched and compiled against eager
-    (float32, the integration's tolerances); FlexAttention's forward on the patched layer's slots against the
-    op's (FlexAttention has no CPU backward, nor an lse there: no sink in this check)."""
+    (float32, the integration's tolerances); FlexAttention's forward on the patched layer's
+    slots against the op's (FlexAttention has no CPU backward, nor an lse there: no sink in this
+    check)."""
     pytest.importorskip("transformers.models.deepseek_v4")
     from mla_inductor import sparse_mla
     from mla_inductor.bench import flex, hf_v4

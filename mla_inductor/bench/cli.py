@@ -24,8 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     long explanation is written out for users), its flags the module's ``add_arguments``."""
     parser = argparse.ArgumentParser(
         prog="python -m mla_inductor.bench",
-        description="Benchmarks of the sparse-MLA kernels on the current GPU (SM90); lightning, hf, "
-        "hf-v4, dist and start also run a small smoke test on the CPU with --tiny. Each "
+        description="Benchmarks of the sparse-MLA kernels on the current GPU (SM90); lightning, "
+        "hf, hf-v4, dist and start also run a small smoke test on the CPU with --tiny. Each "
         "subcommand prints a markdown table; `<subcommand> --help` lists its flags.",
     )
     sub = parser.add_subparsers(dest="command", required=True,
