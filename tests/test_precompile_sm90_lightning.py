@@ -2,7 +2,7 @@
 ``mla_inductor.precompile`` (one kernel per dtype x head tile x causal; bf16, fp16 and
 float8_e4m3fn), and its static configuration fits the GPU. The fp8 kernels' PTX is also
 assembled by ptxas for sm_90a (when ptxas is on PATH): no register spills, and the wgmma is the
-e4m3 m64n256k32 one."""
+e4m3 m64n128k32 one (each block's product in two pieces)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_fp8_ptx_assembles_without_spills(tmp_path, tile, causal):
     16 tokens x 2 rows) next to the 128 accumulators."""
     ptx = _ptx("float8_e4m3fn", tile, causal, tmp_path)
     wgmmas = set(re.findall(r"wgmma\.mma_async\S*", ptx))
-    assert wgmmas == {"wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3"}
+    assert wgmmas == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
     # relu on every accumulator, NaN kept, in both epilogues (scales folded, and the definition's
     # order for a negative, infinite or NaN scale)
     assert ptx.count("max.NaN.f32") == 2 * 128

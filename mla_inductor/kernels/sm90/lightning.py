@@ -71,12 +71,25 @@ the same class with the dtype as its static switch: the bf16 / fp16 kernels' PTX
 (every fp8 step is a ``const_expr`` branch, and the scales are the last tensor arguments, None
 there).
 
-* wgmma m64n256k32 e4m3 x e4m3 with fp32 accumulation: fp8 wgmma takes both operands K-major
+* wgmma e4m3 x e4m3 with fp32 accumulation: fp8 wgmma takes both operands K-major
   from shared memory, which the transposed product already has (K rows and Q rows are both
   D-contiguous), so A = the key block, B = the tile's Q rows as in bf16. A 128-byte row of
   D = 128 one-byte elements is one 128-byte swizzle atom (bf16: two 64-column chunks), and the
   K-dim is 4 k-steps of 32. The producer loads a row with 8 threads of 16 bytes (16 rows per
   pass instead of 8), to the same swizzled byte offsets.
+* Each block's product in two pieces of 128 columns (m64n128k32; each piece half of the tile's
+  tokens; Q's shared memory seen as two tiles of 128 rows, the same bytes), one accumulator
+  each (128 registers in all, as for one of 256 columns). A consumer issues both pieces, waits
+  for the first and sums its columns (relu and FMA, the fast order) while the second's MMAs
+  run; then the second piece, the quad reduction and the stores. With one accumulator of 256
+  columns a consumer waited for all its MMAs before its epilogue: ncu (H100, 2026-12-06, T
+  16384) found the consumers waiting on their own wgmma for a third of their time, the tensor
+  pipe 45% busy and the ALU pipe 40% (fp8 MMAs take half as long as bf16's; the epilogue takes
+  as long). The per-element sums, their order and the reduction are unchanged: the scores are
+  bitwise those of one piece of 256 columns (H100, 2026-12-06, H 64 / 50 / 32 / 16 / 7, causal
+  or not, with and without negative and NaN scales), and the op took 0.88-0.96x its time at T
+  16384-65536 (``docs/performance.md``). Four pieces of 64 columns (m64n64k32) were bitwise the
+  same and slower than two (1.01-1.09x their time).
 * Shared memory: Q 32 KiB and key blocks of 8 KiB, so the same 8-block ring takes 64 KiB and
   the CTA about 102 KiB instead of 195 KiB. The ring was kept at 8 blocks (the bf16 kernel
   measured no difference between 4 and 8); a CTA still needs the whole register file (384
@@ -181,6 +194,11 @@ class LightningScoresSm90:
         self.row_vecs = D * eb // 16  # 16-byte vectors per row of Q or K: 16, or 8 in fp8
         self.rows_per_pass = NUM_THREADS // 3 // self.row_vecs  # rows one producer pass loads
         self.q_bytes = TILE_N * D * eb
+        # fp8: each block's product in two pieces of columns (one accumulator each), so that a
+        # consumer's epilogue of the first runs while the second's MMAs do
+        self.parts = 2 if self.fp8 else 1
+        self.mma_n = TILE_N // self.parts
+        self.tokens_per_part = self.tokens // self.parts
         self.block_bytes = TILE_KEYS * D * eb
 
     def _layouts(self):
@@ -188,7 +206,10 @@ class LightningScoresSm90:
             sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.chunk),
             self.dtype,
         )
-        sQ = cute.tile_to_shape(atom, (TILE_N, D), order=(0, 1))
+        if self.parts > 1:  # pieces of mma_n rows (the same bytes as 256 rows)
+            sQ = cute.tile_to_shape(atom, (self.mma_n, D, self.parts), order=(0, 1, 2))
+        else:
+            sQ = cute.tile_to_shape(atom, (TILE_N, D), order=(0, 1))
         sK = cute.tile_to_shape(atom, (TILE_KEYS, self.chunk, self.n_chunks * STAGES),
                                 order=(0, 1, 2))
         return sQ, sK
@@ -224,7 +245,7 @@ class LightningScoresSm90:
         sQ_layout, sK_layout = self._layouts()
         tiled_mma = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_KEYS, TILE_N),
+            Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_KEYS, self.mma_n),
         )
         n_tiles = (n_tok + self.tokens - 1) // self.tokens
         self.kernel(mQ, mK, mW, mRowLen, mBuf, mQScale, mKScale, seq_q, seq_k, b0, t0, n_tok,
@@ -393,13 +414,13 @@ class LightningScoresSm90:
                 thr = tiled_mma.get_slice(ct)
                 tSrK = thr.make_fragment_A(thr.partition_A(sK))
                 tSrQ = thr.make_fragment_B(thr.partition_B(sQ))
-                acc = cute.make_rmem_tensor(thr.partition_shape_C((TILE_KEYS, TILE_N)), Float32)
-                tScS = thr.partition_C(cute.make_identity_tensor((TILE_KEYS, TILE_N)))
+                # one accumulator per piece of columns (fp8: two, 128 registers in all)
+                accs = [cute.make_rmem_tensor(thr.partition_shape_C((TILE_KEYS, self.mma_n)),
+                                              Float32) for _ in range(self.parts)]
+                tScS = thr.partition_C(cute.make_identity_tensor((TILE_KEYS, self.mma_n)))
                 rows = (tScS[0][0], tScS[2][0])  # this thread's two key rows of a block
                 # the thread's weights, the same for every key block: read once into registers
                 wr = cute.make_rmem_tensor((self.tokens, self.w_per_token), Float32)
-                k_steps = D // self.mma_k
-                steps_per_chunk = self.chunk // self.mma_k
 
                 cute.arch.mbarrier_wait(mbar_q, 0)
                 for tok in cutlass.range_constexpr(tokens):
@@ -420,60 +441,94 @@ class LightningScoresSm90:
                         cute.arch.barrier(barrier_id=BAR_TURN + role, number_of_threads=256)
                     cute.arch.fence_view_async_shared()  # cp.async (generic proxy) -> wgmma
                     warpgroup.fence()
-                    mma = cute.make_mma_atom(tiled_mma.op)
-                    mma.set(warpgroup.Field.ACCUMULATE, False)
-                    for k in cutlass.range_constexpr(k_steps):
-                        cute.gemm(mma, acc, tSrK[None, None, k % steps_per_chunk,
-                                                 self.n_chunks * s + k // steps_per_chunk],
-                                  tSrQ[None, None, k], acc)
-                        mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
+                    if const_expr(self.parts > 1):
+                        for h in cutlass.range_constexpr(self.parts):
+                            self._mma(tiled_mma, accs[h], tSrK, tSrQ[None, None, None, h], s)
+                    else:
+                        self._mma(tiled_mma, accs[0], tSrK, tSrQ, s)
                     if i + 1 < n_blocks:  # the other consumer may issue block i + 1
                         cute.arch.barrier_arrive(barrier_id=BAR_TURN + 1 - role,
                                                  number_of_threads=256)
-                    warpgroup.wait_group(0)
-                    ks = None
-                    if const_expr(self.fp8):  # the k_scale of this thread's two key rows
+                    store = (mBuf, rows, lane, (kb0 + i) * TILE_KEYS, tok0, tok_end, t0,
+                             bz * n_tok, seq_k, quad)
+                    if const_expr(self.fp8):
+                        # the k_scale of this thread's two key rows; each piece's sums (fast
+                        # order) while the later pieces' MMAs run
                         ks = (sKs[rows[0], s], sKs[rows[1], s])
-                    cute.arch.mbarrier_arrive(mbar_empty + s)
-                    self._store_scores(acc, wr, sW, sQs, ks, q_fast, mBuf, rows, quad, lane,
-                                       (kb0 + i) * TILE_KEYS, tok0, tok_end, t0, bz * n_tok, seq_k)
+                        tp = self.tokens_per_part
+                        early = []
+                        for h in cutlass.range_constexpr(self.parts - 1):
+                            warpgroup.wait_group(self.parts - 1 - h)
+                            early.append(self._sums(accs[h], wr, None, None, ks, quad, h * tp,
+                                                    tp))
+                        warpgroup.wait_group(0)
+                        cute.arch.mbarrier_arrive(mbar_empty + s)
+                        self._store_fp8(accs, early, wr, sW, sQs, ks, q_fast, quad, store)
+                    else:
+                        warpgroup.wait_group(0)
+                        cute.arch.mbarrier_arrive(mbar_empty + s)
+                        self._reduce_and_store(self._sums(accs[0], wr, None, None, None, quad),
+                                               *store)
 
     @cute.jit
-    def _store_scores(self, acc, wr, sW, sQs, ks, q_fast, mBuf, rows, quad, lane, key0, tok0,
-                      tok_end, t0, buf_row0, seq_k):
-        """The block's scores of this thread's share: ``sum_h w * relu(acc)`` per (key row,
-        token) over the thread's columns, reduce-scattered over the quad, stored by the lane that
-        ends up holding them (keys ``< S`` of tokens of the chunk only).
+    def _mma(self, tiled_mma, acc, tSrK, tSrQ, s):
+        """Issues and commits ``acc = K[stage s] Q^T`` (the K-dim in its wgmma steps)."""
+        steps_per_chunk = self.chunk // self.mma_k
+        mma = cute.make_mma_atom(tiled_mma.op)
+        mma.set(warpgroup.Field.ACCUMULATE, False)
+        for k in cutlass.range_constexpr(D // self.mma_k):
+            cute.gemm(mma, acc, tSrK[None, None, k % steps_per_chunk,
+                                     self.n_chunks * s + k // steps_per_chunk],
+                      tSrQ[None, None, k], acc)
+            mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
 
-        fp8: ``sum_h w * relu((acc * q_scale) * k_scale)``. Where the thread's q_scales
-        (``q_fast``) and both its rows' k_scales are finite and >= 0 this is ``k_scale * sum_h
-        (w * q_scale) * relu(acc)`` (``wr`` holds ``w * q_scale``): the bf16 epilogue and one
-        multiply per row and token. Otherwise (a negative, infinite or NaN scale) the
+    @cute.jit
+    def _store_fp8(self, accs, early, wr, sW, sQs, ks, q_fast, quad, store):
+        """fp8: the block's scores ``sum_h w * relu((acc * q_scale) * k_scale)`` per (key row,
+        token), reduce-scattered over the quad and stored (:meth:`_reduce_and_store`). ``accs``
+        hold the pieces of columns in token order; ``early`` is the fast-order sums
+        (:meth:`_sums`) of all pieces but the last, taken while the later pieces' MMAs ran.
+
+        Where the thread's q_scales (``q_fast``) and both its rows' k_scales are finite and >= 0
+        the score is ``k_scale * sum_h (w * q_scale) * relu(acc)`` (``wr`` holds ``w *
+        q_scale``): the bf16 epilogue and one multiply per row and token, and ``early`` is used.
+        Otherwise (a negative, infinite or NaN scale) every piece is summed again in the
         definition's order, with w and q_scale read from shared memory (``sW``, ``sQs``). Each
         branch runs to the stores, so that no value crosses it."""
-        store = (mBuf, rows, lane, key0, tok0, tok_end, t0, buf_row0, seq_k, quad)
-        if const_expr(self.fp8):
-            if q_fast & _finite_nonneg(ks[0]) & _finite_nonneg(ks[1]):
-                self._reduce_and_store(self._sums(acc, wr, None, None, ks, quad), *store)
-            else:
-                self._reduce_and_store(self._sums(acc, None, sW, sQs, ks, quad), *store)
+        tp = self.tokens_per_part
+        last = self.parts - 1
+        if q_fast & _finite_nonneg(ks[0]) & _finite_nonneg(ks[1]):
+            final = self._sums(accs[last], wr, None, None, ks, quad, last * tp, tp)
+            self._reduce_and_store(self._merge_parts(early + [final]), *store)
         else:
-            self._reduce_and_store(self._sums(acc, wr, None, None, None, quad), *store)
+            again = [self._sums(accs[h], None, sW, sQs, ks, quad, h * tp, tp)
+                     for h in range(self.parts)]
+            self._reduce_and_store(self._merge_parts(again), *store)
+
+    def _merge_parts(self, pieces):
+        """The partial scores of the pieces (each ``[row half r][token of the piece]``) as one
+        list ``[r][token]``, the layout :meth:`_reduce_and_store` takes."""
+        tp = self.tokens_per_part
+        return [pieces[tok // tp][r * tp + tok % tp]
+                for r in range(2) for tok in range(self.tokens)]
 
     @cute.jit
-    def _sums(self, acc, wr, sW, sQs, ks, quad):
-        """The thread's partial scores ``[row half r][token]`` (a list): ``sum_k relu(acc) *
-        wr[tok, k]`` over its columns k of each token, times ``ks[r]`` where given with ``wr``;
-        with ``sW`` (fp8, the definition's order) ``sum_k relu((acc * sQs[k]) * ks[r]) * sW[k]``,
+    def _sums(self, acc, wr, sW, sQs, ks, quad, tok_lo: cutlass.Constexpr = 0,
+              n_tok: cutlass.Constexpr = None):
+        """The thread's partial scores ``[row half r][token]`` (a list) of the ``n_tok`` tokens
+        from ``tok_lo`` (default: all) whose columns ``acc`` holds: ``sum_k relu(acc) * wr[tok,
+        k]`` over its columns k of each token, times ``ks[r]`` where given with ``wr``; with
+        ``sW`` (fp8, the definition's order) ``sum_k relu((acc * sQs[k]) * ks[r]) * sW[k]``,
         read element by element from shared memory (no registers next to wr)."""
-        tokens = self.tokens
+        tokens = self.tokens if const_expr(n_tok is None) else n_tok
         part = [Float32(0.0)] * (2 * tokens)
         for r in cutlass.range_constexpr(2):
-            for tok in cutlass.range_constexpr(tokens):
+            for j in cutlass.range_constexpr(tokens):
+                tok = tok_lo + j
                 total = Float32(0.0)
                 for kk in cutlass.range_constexpr(self.w_per_token):
-                    k = tok * self.w_per_token + kk
+                    k = j * self.w_per_token + kk
                     x = acc[4 * (k // 2) + 2 * r + k % 2]
                     if const_expr(sW is None):
                         total = total + relu_nan(x) * wr[tok, kk]
@@ -482,7 +537,7 @@ class LightningScoresSm90:
                                          * sW[quad, tok, kk])
                 if const_expr(sW is None and ks is not None):
                     total = total * ks[r]
-                part[r * tokens + tok] = total
+                part[r * tokens + j] = total
         return part
 
     @cute.jit
