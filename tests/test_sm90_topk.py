@@ -263,3 +263,43 @@ def test_launcher_checks():
         topk_host.select(buf.cpu(), n.cpu(), 2, idx.cpu(), sc.cpu())
     with pytest.raises(ValueError, match="lightning_indexer: .*contiguous"):
         topk_host.select(torch.zeros(8, 4, device="cuda").t(), n, 2, idx, sc)
+
+
+def guess_rows(kind, R, ld, seed=0):
+    """Rows for the select from a sampled guess (the kernel samples one 16-byte vector in 8):
+    randn rows whose sampled elements sit far below the others (the guess lets too many
+    candidates in) or far above them (too few), an ascending row, and a cluster of large
+    scores."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(R, ld, generator=g)
+    sampled = (torch.arange(ld) // 4) % 8 == 0
+    if kind == "sample_low":
+        x[:, sampled] -= 100.0
+    elif kind == "sample_high":
+        x[:, sampled] += 100.0
+    elif kind == "ascending":
+        x = torch.arange(ld, dtype=torch.float32).expand(R, ld).clone()
+    elif kind == "cluster":
+        x[:, ld // 3:ld // 3 + 3000] += 4.0
+    else:
+        raise AssertionError(kind)
+    return x
+
+
+@cuda
+@pytest.mark.parametrize("ld,topk", [(8200, 2048), (65536, 2048), (131072, 2048),
+                                     (70004, 512)])
+@pytest.mark.parametrize("kind", ["randn", "relu", "nonfinite", "narrow", "small_set",
+                                  "sample_low", "sample_high", "ascending", "cluster"])
+def test_guessed_threshold(kind, ld, topk):
+    """Rows up to 8 x the row cache: the select from a sampled guess, rows short enough for
+    every element to be a candidate, and the radix select where a guess fails (ties across
+    the guess, a sample far from the rest of the row)."""
+    _sm90_or_skip()
+    R = 7
+    if kind in ("sample_low", "sample_high", "ascending", "cluster"):
+        buf = guess_rows(kind, R, ld, seed=ld + topk).cuda()
+    else:
+        buf = _rows(kind, R, ld, seed=ld + topk, device="cuda")
+    lens = [ld, ld - 1, ld - 3, min(ld, 7700), min(ld, 16384), min(ld, 16385), topk + 1]
+    _check(buf, torch.tensor(lens, dtype=torch.int32, device="cuda"), topk, reruns=1)

@@ -26,6 +26,25 @@ Design
   after the last digit, where the bin holds exactly equal keys. With the threshold prefix
   ``thr`` at the final shift ``s``: an element is selected iff ``key >> s > thr`` or (``key >> s
   == thr`` and it is among the first ``need`` such in index order).
+* Guessed threshold, for a row longer than the row cache (up to ``8 * cache_elems``) when
+  ``topk + 2 * margin`` candidates fit the row cache next to the row's two bitmaps (``margin =
+  max(topk / 4, 256)``): one 16-byte vector in ``SAMPLE = 8`` is read (a quarter of the row's
+  32-byte sectors) and its radix keys kept in the row cache; two histogram passes over that
+  sample find the 22-bit prefix of its ``k_s``-th largest key, ``k_s`` being the sample's share
+  of ``topk + margin``. The lowest key of that prefix, as a float ``t``, is the guess: one pass
+  over the row appends every element with ``x >= t`` or NaN (``setp.geu.f32``, which is
+  ``order_key(x) >= order_key(t)`` for every float) to the candidates as ``(float bits,
+  index)``, counting them. Their count is about ``topk + margin``, with a standard deviation
+  of about ``sqrt(7 (topk + margin))`` for a sample of one in eight: the margin is 3.5 of them
+  at topk 512, 3.8 at 2048, and the room for ``topk + 2 margin`` as many above. With at least ``topk`` candidates and no more than fit, the top ``topk`` of the row
+  are all among them: a radix select over the candidates alone (digits as below), their bits
+  set in the selected and tied bitmaps, the ties ranked as below, and each selected candidate
+  writes itself to its output slot, the rank of its index in the selected bitmap (a per-word
+  prefix of popcounts, kept over the tied bitmap, resolved by then). Otherwise (a sample far
+  from the rest of the row, exact ties across the guess, a guess among NaNs) the radix select
+  below runs over the whole row. The row is read 1.25 times instead of twice, with one float
+  comparison per element where the radix select's two passes convert, histogram and compare
+  every element twice.
 * The first pass reads the row from global memory in 16-byte vectors (four per thread in
   flight). A row of at most ``cache_elems`` keeps its radix keys ``u`` in shared memory, padded
   with sentinels to whole tiles (the later passes read it without bounds checks); a longer row
@@ -86,9 +105,30 @@ fastest of the configurations measured on rows longer than the cache (256 thread
 3 CTAs: 1-7% slower there, 1-25% faster on rows under 8192 keys); 8 vectors in flight per
 thread in the global passes instead of 4 were 1-3% slower.
 
+Rows longer than the row cache then went to the guessed threshold. Measured on an H100 (torch
+2.11, 2026-12-06): every chunk of the fp8 score kernel's output for ``bench lightning --fp8``'s
+problems (T = S, causal, 64 heads, topk 2048), the select's time summed over the chunks (medians
+of 5 calls each), the radix select alone against this kernel, outputs bitwise the same:
+
+==========  ===================  =============  =======
+T           radix select ms      this kernel    speed
+==========  ===================  =============  =======
+16384       0.667                0.674          0.99x
+32768       2.617                2.531          1.03x
+65536       8.881                7.024          1.26x
+131072      35.883               24.104         1.49x
+==========  ===================  =============  =======
+
+(T 16384 has no row longer than the cache.) The guess on rows that fit the cache, from the
+cached row, was slower: 0.786 against 0.661 ms at T 16384 (same process). Its ~2600 candidates
+are a third of such a row, and each takes several passes; the radix select's second pass reads
+the cached row anyway.
+
 The radix select with a shared-memory histogram per digit is the standard GPU selection
-technique; this kernel's own choices are the digit split, the exact-need early stop, the
-candidate buffer, the bitmap output with its tie ranking, and the fallback compaction. cuDNN
+technique, and selecting from a sample's order statistic is Floyd and Rivest's (1975); this
+kernel's own choices are the digit split, the exact-need early stop, the candidate buffer, the
+bitmap output with its tie ranking, the guess as one float comparison, the slot of a candidate
+from the bitmap's word prefix, and the fallback compaction. cuDNN
 frontend 1.32's deterministic SM90 top-k also orders its output with an index bitmap and
 popcounts.
 """
@@ -110,6 +150,10 @@ VEC = 4  # elements per 16-byte vector
 BATCH = 4  # vectors per thread in flight in a pass
 PER_THREAD = 16  # consecutive elements per thread in a compaction tile
 INT_MIN = -(2**31)
+SAMPLE = 8  # the guess samples one 16-byte vector in SAMPLE
+MIN_MARGIN = 256  # the guess aims at topk + max(topk / 4, MIN_MARGIN) candidates
+NEG_INF_BITS = -0x800000  # 0xff800000, -inf
+KEY_NEG_INF = NEG_INF_BITS ^ 0x7FFFFFFF  # order_key(-inf); keys below it are negative NaNs'
 SMEM_LIMIT = 227 * 1024
 
 
@@ -186,6 +230,17 @@ def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
     """``ld.shared.b32``."""
     return Int32(_asm("ld.shared.b32 $0, [$1];", "=r,r,~{memory}", [Int32(addr)], T.i32(),
                       loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ge_or_nan(x: Int32, t: Int32, *, loc=None, ip=None) -> Int32:
+    """1 when the float with bits ``x`` is at least the float with bits ``t`` or either is NaN
+    (``setp.geu.f32``), else 0."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(x).ir_value(loc=loc, ip=ip), Int32(t).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred p; .reg .f32 a, b; mov.b32 a, $1; mov.b32 b, $2; "
+        "setp.geu.f32 p, a, b; selp.u32 $0, 1, 0, p; }", "=r,r,r", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -297,110 +352,307 @@ class TopkSelectSm90:
                         st_global_b32(score_row + Int64(j) * 4,
                                       cutlass.select_(j < n, vals[u], Int32(0)))
         else:
-            for i in cutlass.range_constexpr(2 * BINS // nt):
-                sHist[i * nt + tidx] = Int32(0)
-            if tidx == 0:
-                sCount[0] = Int32(0)
-            cached = n <= self.cache_elems
-            # the bitmaps (selected, tied), n_words words each: a cached row's in their own
-            # buffer, a longer row's in the unused row cache when they fit there
-            n_words = (n + 31) // 32
-            fits = cached | (2 * n_words <= self.cache_elems)
-            sel_s = cutlass.select_(cached, sBits.iterator.toint(), row_s)
-            eq_s = sel_s + n_words * 4
-            if fits:
-                for w in cutlass.range(tidx, 2 * n_words, nt, unroll=1):
-                    st_shared_b32(sel_s + w * 4, Int32(0))
-            cute.arch.sync_threads()
             nvec = (n + VEC - 1) // VEC
-            # vectors of the cached row, padded with sentinels to whole tiles
-            npv = (n + self.tile - 1) // self.tile * (self.tile // VEC)
-            if cached:
-                self._first_pass(row, row_s, hist_a, n, nvec, tidx, True)
-            else:
-                self._first_pass(row, row_s, hist_a, n, nvec, tidx, False)
-            cute.arch.sync_threads()
-            need = topk
-            b, above, count = self._find(sHist, 0, sWarp, sRes, need, tidx, lane, warp)
-            top_bin = b
-            thr_u = b << DIGITS[0][0]
-            need = need - above
-            shift = Int32(DIGITS[0][0])
-            n_cand = count
-            cnt = count
-            with_cand = n_cand <= self.cand_elems
-            use_bits = fits & with_cand
-            if use_bits | (cnt != need):
-                # histogram A is free again (its scan is over): zeroed for the third digit
-                for i in cutlass.range_constexpr(BINS // nt):
-                    sHist[i * nt + tidx] = Int32(0)
-                if with_cand:
-                    if cached:
-                        self._gather(row, row_s, cand_s, count_s, sel_s, use_bits, n, nvec, npv,
-                                     top_bin, tidx, True)
-                    else:
-                        self._gather(row, row_s, cand_s, count_s, sel_s, use_bits, n, nvec, npv,
-                                     top_bin, tidx, False)
-                    cute.arch.sync_threads()
-                    if cnt != need:
-                        self._cand_hist(sCand, hist_b, n_cand, thr_u, 1, tidx)
-                        cute.arch.sync_threads()
-                        b, above, cnt = self._find(sHist, BINS, sWarp, sRes, need, tidx, lane,
-                                                   warp)
-                        thr_u = thr_u | (b << DIGITS[1][0])
-                        need = need - above
-                        shift = Int32(DIGITS[1][0])
-                        if cnt != need:
-                            self._cand_hist(sCand, hist_a, n_cand, thr_u, 2, tidx)
-                            cute.arch.sync_threads()
-                            b, above, cnt = self._find(sHist, 0, sWarp, sRes, need, tidx, lane,
-                                                       warp)
-                            thr_u = thr_u | b
-                            need = need - above
-                            shift = Int32(0)
+            n_words = (n + 31) // 32
+            margin = cutlass.max(topk // 4, Int32(MIN_MARGIN))
+            nvs = (nvec + SAMPLE - 1) // SAMPLE
+            done = Int32(0)
+            # a row longer than the row cache: the candidates' room in it, after the bitmaps
+            cap = (self.cache_elems - 2 * n_words) // 2
+            if ((n > self.cache_elems) & (nvs * VEC <= self.cache_elems)
+                    & (topk + 2 * margin <= cap)):
+                done = self._guessed(row, row_s, sHist, hist_a, hist_b, count_s, sWarp, sRes, n,
+                                     nvec, nvs, n_words, topk, cap, margin, idx_row, score_row,
+                                     tidx, lane, warp)
+            if done == 0:
+                self._radix(row, row_s, sHist, sCand, sCount, sBits, sWarp, sRes, hist_a, hist_b,
+                            cand_s, count_s, n, nvec, n_words, topk, idx_row, score_row, tidx,
+                            lane, warp)
+
+    @cute.jit
+    def _radix(self, row, row_s, sHist, sCand, sCount, sBits, sWarp, sRes, hist_a, hist_b,
+               cand_s, count_s, n, nvec, n_words, topk, idx_row, score_row, tidx, lane, warp):
+        """The radix select over the whole row (module docstring, from "Radix select" to
+        "Fallback"), for a row longer than ``topk``."""
+        nt = self.num_threads
+        cute.arch.sync_threads()  # the shared memory may still be read by the guessed select
+        for i in cutlass.range_constexpr(2 * BINS // nt):
+            sHist[i * nt + tidx] = Int32(0)
+        if tidx == 0:
+            sCount[0] = Int32(0)
+        cached = n <= self.cache_elems
+        # the bitmaps (selected, tied), n_words words each: a cached row's in their own
+        # buffer, a longer row's in the unused row cache when they fit there
+        fits = cached | (2 * n_words <= self.cache_elems)
+        sel_s = cutlass.select_(cached, sBits.iterator.toint(), row_s)
+        eq_s = sel_s + n_words * 4
+        if fits:
+            for w in cutlass.range(tidx, 2 * n_words, nt, unroll=1):
+                st_shared_b32(sel_s + w * 4, Int32(0))
+        cute.arch.sync_threads()
+        # vectors of the cached row, padded with sentinels to whole tiles
+        npv = (n + self.tile - 1) // self.tile * (self.tile // VEC)
+        if cached:
+            self._first_pass(row, row_s, hist_a, n, nvec, tidx, True)
+        else:
+            self._first_pass(row, row_s, hist_a, n, nvec, tidx, False)
+        cute.arch.sync_threads()
+        need = topk
+        b, above, count = self._find(sHist, 0, sWarp, sRes, need, tidx, lane, warp)
+        top_bin = b
+        thr_u = b << DIGITS[0][0]
+        need = need - above
+        shift = Int32(DIGITS[0][0])
+        n_cand = count
+        cnt = count
+        with_cand = n_cand <= self.cand_elems
+        use_bits = fits & with_cand
+        if use_bits | (cnt != need):
+            # histogram A is free again (its scan is over): zeroed for the third digit
+            for i in cutlass.range_constexpr(BINS // nt):
+                sHist[i * nt + tidx] = Int32(0)
+            if with_cand:
+                if cached:
+                    self._gather(row, row_s, cand_s, count_s, sel_s, use_bits, n, nvec, npv,
+                                 top_bin, tidx, True)
                 else:
-                    if cached:
-                        self._hist_pass(row, row_s, hist_b, n, nvec, npv, thr_u, 1, tidx, True)
-                    else:
-                        self._hist_pass(row, row_s, hist_b, n, nvec, npv, thr_u, 1, tidx, False)
+                    self._gather(row, row_s, cand_s, count_s, sel_s, use_bits, n, nvec, npv,
+                                 top_bin, tidx, False)
+                cute.arch.sync_threads()
+                if cnt != need:
+                    self._cand_hist(sCand, hist_b, n_cand, thr_u, 1, tidx)
                     cute.arch.sync_threads()
-                    b, above, cnt = self._find(sHist, BINS, sWarp, sRes, need, tidx, lane, warp)
+                    b, above, cnt = self._find(sHist, BINS, sWarp, sRes, need, tidx, lane,
+                                               warp)
                     thr_u = thr_u | (b << DIGITS[1][0])
                     need = need - above
                     shift = Int32(DIGITS[1][0])
                     if cnt != need:
-                        if cached:
-                            self._hist_pass(row, row_s, hist_a, n, nvec, npv, thr_u, 2, tidx,
-                                            True)
-                        else:
-                            self._hist_pass(row, row_s, hist_a, n, nvec, npv, thr_u, 2, tidx,
-                                            False)
+                        self._cand_hist(sCand, hist_a, n_cand, thr_u, 2, tidx)
                         cute.arch.sync_threads()
                         b, above, cnt = self._find(sHist, 0, sWarp, sRes, need, tidx, lane,
                                                    warp)
                         thr_u = thr_u | b
                         need = need - above
                         shift = Int32(0)
-            thr = (thr_u ^ Int32(INT_MIN)) >> shift
-            if use_bits:
-                self._cand_mark(sCand, n_cand, thr, shift, cnt == need, sel_s, eq_s, tidx)
-                cute.arch.sync_threads()
-                if cnt != need:
-                    self._tie_mark(sel_s, eq_s, n_words, need, sWarp, tidx, lane, warp)
-                    cute.arch.sync_threads()
-                if cached:
-                    self._emit(sel_s, n_words, topk, cand_s, row, row_s, idx_row, score_row,
-                               sWarp, tidx, lane, warp, True)
-                else:
-                    self._emit(sel_s, n_words, topk, cand_s, row, row_s, idx_row, score_row,
-                               sWarp, tidx, lane, warp, False)
             else:
                 if cached:
-                    self._compact(row, row_s, n, nvec, topk, thr, shift, need, sWarp, idx_row,
-                                  score_row, tidx, lane, warp, True)
+                    self._hist_pass(row, row_s, hist_b, n, nvec, npv, thr_u, 1, tidx, True)
                 else:
-                    self._compact(row, row_s, n, nvec, topk, thr, shift, need, sWarp, idx_row,
-                                  score_row, tidx, lane, warp, False)
+                    self._hist_pass(row, row_s, hist_b, n, nvec, npv, thr_u, 1, tidx, False)
+                cute.arch.sync_threads()
+                b, above, cnt = self._find(sHist, BINS, sWarp, sRes, need, tidx, lane, warp)
+                thr_u = thr_u | (b << DIGITS[1][0])
+                need = need - above
+                shift = Int32(DIGITS[1][0])
+                if cnt != need:
+                    if cached:
+                        self._hist_pass(row, row_s, hist_a, n, nvec, npv, thr_u, 2, tidx,
+                                        True)
+                    else:
+                        self._hist_pass(row, row_s, hist_a, n, nvec, npv, thr_u, 2, tidx,
+                                        False)
+                    cute.arch.sync_threads()
+                    b, above, cnt = self._find(sHist, 0, sWarp, sRes, need, tidx, lane,
+                                               warp)
+                    thr_u = thr_u | b
+                    need = need - above
+                    shift = Int32(0)
+        thr = (thr_u ^ Int32(INT_MIN)) >> shift
+        if use_bits:
+            self._cand_mark(sCand, n_cand, thr, shift, cnt == need, sel_s, eq_s, tidx)
+            cute.arch.sync_threads()
+            if cnt != need:
+                self._tie_mark(sel_s, eq_s, n_words, need, sWarp, tidx, lane, warp)
+                cute.arch.sync_threads()
+            if cached:
+                self._emit(sel_s, n_words, topk, cand_s, row, row_s, idx_row, score_row,
+                           sWarp, tidx, lane, warp, True)
+            else:
+                self._emit(sel_s, n_words, topk, cand_s, row, row_s, idx_row, score_row,
+                           sWarp, tidx, lane, warp, False)
+        else:
+            if cached:
+                self._compact(row, row_s, n, nvec, topk, thr, shift, need, sWarp, idx_row,
+                              score_row, tidx, lane, warp, True)
+            else:
+                self._compact(row, row_s, n, nvec, topk, thr, shift, need, sWarp, idx_row,
+                              score_row, tidx, lane, warp, False)
+
+    @cute.jit
+    def _guessed(self, row, row_s, sHist, hist_a, hist_b, count_s, sWarp, sRes, n, nvec, nvs,
+                 n_words, topk, cap, margin, idx_row, score_row, tidx, lane, warp):
+        """The select from a sampled guess for a row longer than the row cache (module
+        docstring, "Guessed threshold"): returns 1 when it wrote the row's outputs, 0 when the
+        guess failed (the caller then runs the radix select over the whole row). The row cache
+        holds the sample's radix keys, then the two bitmaps and up to ``cap`` candidates
+        ``(float bits, index)``."""
+        nt = self.num_threads
+        shift0, mask0 = DIGITS[0]
+        shift1, mask1 = DIGITS[1]
+        sel_s = row_s
+        eq_s = sel_s + n_words * 4
+        cands = row_s + 2 * n_words * 4
+        for i in cutlass.range_constexpr(2 * BINS // nt):
+            sHist[i * nt + tidx] = Int32(0)
+        cute.arch.sync_threads()
+        # the sample: vectors 0, SAMPLE, 2 SAMPLE, ... (a quarter of the row's 32-byte
+        # sectors), their top digits histogrammed and their radix keys in the row cache (0 past
+        # the row's end) for the second digit
+        npv_s = (nvs + nt * BATCH - 1) // (nt * BATCH) * (nt * BATCH)
+        for base in cutlass.range(0, nvs, nt * BATCH, unroll=1):
+            vals = []
+            for j in cutlass.range_constexpr(BATCH):
+                v = cutlass.min(base + j * nt + tidx, nvs - 1) * SAMPLE
+                vals.append(ld_global_v4(row + Int64(v) * (VEC * 4)))
+            for j in cutlass.range_constexpr(BATCH):
+                vs = base + j * nt + tidx
+                us = []
+                for i in cutlass.range_constexpr(VEC):
+                    ok = vs * (SAMPLE * VEC) + i < n
+                    u = cutlass.select_(ok, order_key(vals[j][i]) ^ Int32(INT_MIN), Int32(0))
+                    if ok:
+                        red_shared_add_1(hist_a + ((u >> shift0) & mask0) * 4)
+                    us.append(u)
+                st_shared_v4(row_s + vs * (VEC * 4), us[0], us[1], us[2], us[3])
+        cute.arch.sync_threads()
+        full = n // (SAMPLE * VEC)
+        n_s = full * VEC + cutlass.min(Int32(VEC), n - full * (SAMPLE * VEC))
+        # the sample's k_s-th largest stands for the row's (topk + margin)-th
+        k_s = cutlass.min(((topk + margin) * n_s + n - 1) // n, n_s)
+        b, above, _ = self._find(sHist, 0, sWarp, sRes, k_s, tidx, lane, warp)
+        thr_u = b << shift0
+        for v in cutlass.range(tidx, npv_s, nt, unroll=1):
+            us = ld_shared_v4(row_s + v * (VEC * 4))
+            for i in cutlass.range_constexpr(VEC):
+                if ((us[i] ^ thr_u) >> shift0) == 0:
+                    red_shared_add_1(hist_b + ((us[i] >> shift1) & mask1) * 4)
+        cute.arch.sync_threads()
+        b, _, _ = self._find(sHist, BINS, sWarp, sRes, k_s - above, tidx, lane, warp)
+        key_g = (thr_u | (b << shift1)) ^ Int32(INT_MIN)
+        done = Int32(0)
+        # a guess among the NaNs' keys cannot be a float comparison: the radix select runs
+        if key_g <= Int32(0x7F800000):
+            # the guess as a float t: "x >= t or x is NaN" iff order_key(x) >= key_g
+            t = cutlass.select_(key_g < 0, key_g ^ Int32(0x7FFFFFFF), key_g)
+            t = cutlass.select_(key_g < Int32(KEY_NEG_INF), Int32(NEG_INF_BITS), t)
+            for i in cutlass.range_constexpr(2 * BINS // nt):
+                sHist[i * nt + tidx] = Int32(0)
+            if tidx == 0:
+                st_shared_b32(count_s, Int32(0))
+            for w in cutlass.range(tidx, 2 * n_words, nt, unroll=1):
+                st_shared_b32(sel_s + w * 4, Int32(0))
+            cute.arch.sync_threads()
+            # the candidates: every element at or above the guess, in any order
+            for base in cutlass.range(0, nvec, nt * BATCH, unroll=1):
+                vals = self._load_batch(row, row_s, base, nvec, tidx, False)
+                for j in cutlass.range_constexpr(BATCH):
+                    v = base + j * nt + tidx
+                    for i in cutlass.range_constexpr(VEC):
+                        e = v * VEC + i
+                        if (e < n) & (ge_or_nan(vals[j][i], t) != 0):
+                            pos = atom_shared_inc(count_s)
+                            if pos < cap:
+                                st_shared_v2(cands + pos * 8, vals[j][i], e)
+            cute.arch.sync_threads()
+            n_cand = ld_shared_b32(count_s)
+            if (n_cand >= topk) & (n_cand <= cap):
+                self._select_candidates(sHist, hist_a, hist_b, cands, sel_s, eq_s, sWarp,
+                                        sRes, n_cand, n_words, topk, idx_row, score_row, tidx,
+                                        lane, warp)
+                done = Int32(1)
+        return done
+
+    @cute.jit
+    def _cand(self, cands, i):
+        """Candidate ``i``: (its float bits, its index)."""
+        return ld_shared_b32(cands + i * 8), ld_shared_b32(cands + i * 8 + 4)
+
+    @cute.jit
+    def _cand_level(self, sHist, hist, cands, n_cand, need, thr_u, level: cutlass.Constexpr,
+                    sWarp, sRes, tidx, lane, warp):
+        """Histogram of digit ``level`` over the candidates whose higher digits equal
+        ``thr_u``'s, then (bin, count above it, its count) of the ``need``-th largest."""
+        shift, mask = DIGITS[level]
+        for i in cutlass.range(tidx, n_cand, self.num_threads, unroll=1):
+            x, _ = self._cand(cands, i)
+            u = order_key(x) ^ Int32(INT_MIN)
+            if const_expr(level == 0):
+                red_shared_add_1(hist + ((u >> shift) & mask) * 4)
+            else:
+                if ((u ^ thr_u) >> DIGITS[level - 1][0]) == 0:
+                    red_shared_add_1(hist + ((u >> shift) & mask) * 4)
+        cute.arch.sync_threads()
+        return self._find(sHist, BINS if level == 1 else 0, sWarp, sRes, need, tidx, lane, warp)
+
+    @cute.jit
+    def _select_candidates(self, sHist, hist_a, hist_b, cands, sel_s, eq_s, sWarp, sRes, n_cand,
+                           n_words, topk, idx_row, score_row, tidx, lane, warp):
+        """The radix select of ``topk`` among ``n_cand`` candidates (histograms zeroed, bitmaps
+        cleared), then the output in ascending index: a selected candidate's slot is its
+        index's rank in the selected bitmap (each word's first slot, from a block scan of
+        popcounts, written over the tied bitmap once the ties are resolved), staged in the
+        histograms' memory ``BINS`` slots a round."""
+        nt = self.num_threads
+        need = topk
+        b, above, cnt = self._cand_level(sHist, hist_a, cands, n_cand, need, Int32(0), 0, sWarp,
+                                         sRes, tidx, lane, warp)
+        thr_u = b << DIGITS[0][0]
+        need = need - above
+        shift = Int32(DIGITS[0][0])
+        # histogram A again for the third digit (the scan of it is over)
+        for i in cutlass.range_constexpr(BINS // nt):
+            sHist[i * nt + tidx] = Int32(0)
+        if cnt != need:
+            b, above, cnt = self._cand_level(sHist, hist_b, cands, n_cand, need, thr_u, 1, sWarp,
+                                             sRes, tidx, lane, warp)
+            thr_u = thr_u | (b << DIGITS[1][0])
+            need = need - above
+            shift = Int32(DIGITS[1][0])
+            if cnt != need:
+                b, above, cnt = self._cand_level(sHist, hist_a, cands, n_cand, need, thr_u, 2,
+                                                 sWarp, sRes, tidx, lane, warp)
+                thr_u = thr_u | b
+                need = need - above
+                shift = Int32(0)
+        thr = (thr_u ^ Int32(INT_MIN)) >> shift
+        take_ties = cnt == need
+        for i in cutlass.range(tidx, n_cand, nt, unroll=1):
+            x, e = self._cand(cands, i)
+            k = order_key(x) >> shift
+            bit = Int32(1) << (e & 31)
+            if (k > thr) | ((k == thr) & take_ties):
+                red_shared_or(sel_s + (e >> 5) * 4, bit)
+            if (k == thr) & (cnt != need):
+                red_shared_or(eq_s + (e >> 5) * 4, bit)
+        cute.arch.sync_threads()
+        if cnt != need:
+            self._tie_mark(sel_s, eq_s, n_words, need, sWarp, tidx, lane, warp)
+            cute.arch.sync_threads()
+        # each word's first slot, over the tied bitmap (done with)
+        wpre_s = eq_s
+        w0, w1, first = self._words_first(sel_s, n_words, 1, sWarp, tidx, lane, warp)
+        for w in cutlass.range(w0, w1, 1, unroll=1):
+            st_shared_b32(wpre_s + w * 4, first)
+            first = first + popc(ld_shared_b32(sel_s + w * 4))
+        cute.arch.sync_threads()
+        stage_s = hist_a  # both histograms: BINS slots of (index, bits)
+        for s0 in cutlass.range(0, topk, BINS, unroll=1):
+            for i in cutlass.range(tidx, n_cand, nt, unroll=1):
+                x, e = self._cand(cands, i)
+                word = ld_shared_b32(sel_s + (e >> 5) * 4)
+                if ((word >> (e & 31)) & 1) != 0:
+                    slot = ld_shared_b32(wpre_s + (e >> 5) * 4) + popc(
+                        word & ((Int32(-1) << (e & 31)) ^ Int32(-1)))
+                    if (slot >= s0) & (slot < s0 + BINS):
+                        st_shared_v2(stage_s + (slot - s0) * 8, e, x)
+            cute.arch.sync_threads()
+            for j in cutlass.range(tidx, cutlass.min(Int32(BINS), topk - s0), nt, unroll=1):
+                pair = stage_s + j * 8
+                off = Int64(s0 + j) * 4
+                st_global_b32(idx_row + off, ld_shared_b32(pair))
+                st_global_b32(score_row + off, ld_shared_b32(pair + 4))
+            cute.arch.sync_threads()
 
     @cute.jit
     def _load_batch(self, row, row_s, base, nvec, tidx, from_smem: cutlass.Constexpr):
@@ -511,14 +763,21 @@ class TopkSelectSm90:
         return w0, cutlass.min(w0 + per, n_words)
 
     @cute.jit
-    def _tie_mark(self, sel_s, eq_s, n_words, need, sWarp, tidx, lane, warp):
-        """Moves the first ``need`` tied elements, in index order, into the selected bitmap:
-        a block scan of the threads' tied counts ranks each thread's first tie."""
+    def _words_first(self, bits_s, n_words, parity, sWarp, tidx, lane, warp):
+        """This thread's words ``[w0, w1)`` of a bitmap and the bits set before them (a block
+        scan, ``sWarp`` half ``parity``): ``(w0, w1, first)``."""
         w0, w1 = self._word_range(n_words, tidx)
         c = Int32(0)
         for w in cutlass.range(w0, w1, 1, unroll=1):
-            c = c + popc(ld_shared_b32(eq_s + w * 4))
-        rank, _ = self._block_scan(c, sWarp, 1, lane, warp)
+            c = c + popc(ld_shared_b32(bits_s + w * 4))
+        first, _ = self._block_scan(c, sWarp, parity, lane, warp)
+        return w0, w1, first
+
+    @cute.jit
+    def _tie_mark(self, sel_s, eq_s, n_words, need, sWarp, tidx, lane, warp):
+        """Moves the first ``need`` tied elements, in index order, into the selected bitmap:
+        a block scan of the threads' tied counts ranks each thread's first tie."""
+        w0, w1, rank = self._words_first(eq_s, n_words, 1, sWarp, tidx, lane, warp)
         for w in cutlass.range(w0, w1, 1, unroll=1):
             ties = ld_shared_b32(eq_s + w * 4)
             take = Int32(0)
@@ -537,11 +796,7 @@ class TopkSelectSm90:
         set-bit counts gives each thread its first slot, then it walks its words' bits. Staged:
         ``cand_elems`` slots at a time go to shared memory (the candidates' buffer, free by
         now), then out in coalesced rows."""
-        w0, w1 = self._word_range(n_words, tidx)
-        c = Int32(0)
-        for w in cutlass.range(w0, w1, 1, unroll=1):
-            c = c + popc(ld_shared_b32(sel_s + w * 4))
-        first, _ = self._block_scan(c, sWarp, 0, lane, warp)
+        w0, w1, first = self._words_first(sel_s, n_words, 0, sWarp, tidx, lane, warp)
         cap = self.cand_elems
         for s0 in cutlass.range(0, topk, cap, unroll=1):
             slot = first
