@@ -206,6 +206,13 @@ def atom_shared_inc(addr: Int32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def atom_shared_add(addr: Int32, v: Int32, *, loc=None, ip=None) -> Int32:
+    """``atom.shared.add.u32 [addr], v``: the previous value."""
+    return Int32(_asm("atom.shared.add.u32 $0, [$1], $2;", "=r,r,r,~{memory}",
+                      [Int32(addr), Int32(v)], T.i32(), loc=loc, ip=ip))
+
+
+@dsl_user_op
 def red_shared_add_1(addr: Int32, *, loc=None, ip=None):
     """``red.shared.add.u32 [addr], 1``."""
     _stmt("red.shared.add.u32 [$0], 1;", "r,~{memory}", [Int32(addr)], loc=loc, ip=ip)
@@ -543,17 +550,31 @@ class TopkSelectSm90:
             for w in cutlass.range(tidx, 2 * n_words, nt, unroll=1):
                 st_shared_b32(sel_s + w * 4, Int32(0))
             cute.arch.sync_threads()
-            # the candidates: every element at or above the guess, in any order
+            # the candidates: every element at or above the guess; a thread's hits of a batch
+            # in a bit mask, one shared-memory atomic per warp and batch for their room
             for base in cutlass.range(0, nvec, nt * BATCH, unroll=1):
                 vals = self._load_batch(row, row_s, base, nvec, tidx, False)
+                hits = Int32(0)
                 for j in cutlass.range_constexpr(BATCH):
-                    v = base + j * nt + tidx
                     for i in cutlass.range_constexpr(VEC):
-                        e = v * VEC + i
-                        if (e < n) & (ge_or_nan(vals[j][i], t) != 0):
-                            pos = atom_shared_inc(count_s)
-                            if pos < cap:
-                                st_shared_v2(cands + pos * 8, vals[j][i], e)
+                        hit = (((base + j * nt + tidx) * VEC + i < n)
+                               & (ge_or_nan(vals[j][i], t) != 0))
+                        hits = hits | cutlass.select_(hit, Int32(1 << (j * VEC + i)), Int32(0))
+                c = popc(hits)
+                incl = self._warp_scan(c, lane)
+                total = cute.arch.shuffle_sync(incl, 31)
+                if total > 0:
+                    first = Int32(0)
+                    if lane == 31:
+                        first = atom_shared_add(count_s, total)
+                    pos = cute.arch.shuffle_sync(first, 31) + incl - c
+                    for j in cutlass.range_constexpr(BATCH):
+                        for i in cutlass.range_constexpr(VEC):
+                            if ((hits >> (j * VEC + i)) & 1) != 0:
+                                if pos < cap:
+                                    st_shared_v2(cands + pos * 8, vals[j][i],
+                                                 (base + j * nt + tidx) * VEC + i)
+                                pos = pos + 1
             cute.arch.sync_threads()
             n_cand = ld_shared_b32(count_s)
             if (n_cand >= topk) & (n_cand <= cap):
@@ -846,13 +867,19 @@ class TopkSelectSm90:
                         red_shared_add_1(hist + ((u >> shift) & mask) * 4)
 
     @cute.jit
-    def _block_scan(self, x, sWarp, parity, lane, warp):
-        """Block-wide (exclusive prefix, total) of ``x``; ``sWarp`` half ``parity`` holds the
-        warps' totals (one barrier)."""
+    def _warp_scan(self, x, lane):
+        """The warp's inclusive prefix sum of ``x`` (shuffles)."""
         incl = x
         for k in cutlass.range_constexpr(5):
             y = cute.arch.shuffle_sync_up(incl, offset=1 << k)
             incl = incl + cutlass.select_(lane >= (1 << k), y, Int32(0))
+        return incl
+
+    @cute.jit
+    def _block_scan(self, x, sWarp, parity, lane, warp):
+        """Block-wide (exclusive prefix, total) of ``x``; ``sWarp`` half ``parity`` holds the
+        warps' totals (one barrier)."""
+        incl = self._warp_scan(x, lane)
         if lane == 31:
             sWarp[parity * self.num_warps + warp] = incl
         cute.arch.sync_threads()
