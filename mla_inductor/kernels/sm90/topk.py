@@ -26,42 +26,42 @@ Design
   after the last digit, where the bin holds exactly equal keys. With the threshold prefix
   ``thr`` at the final shift ``s``: an element is selected iff ``key >> s > thr`` or (``key >> s
   == thr`` and it is among the first ``need`` such in index order).
-* Guessed threshold, for a row longer than the row cache (up to ``8 * cache_elems``) when
-  ``topk + 2 * margin`` candidates fit the row cache next to the row's two bitmaps (``margin =
-  max(topk / 4, 256)``): one 16-byte vector in ``SAMPLE = 8`` is read (a quarter of the row's
-  32-byte sectors) and its radix keys kept in the row cache; two histogram passes over that
-  sample find the 22-bit prefix of its ``k_s``-th largest key, ``k_s`` being the sample's share
-  of ``topk + margin``. The lowest key of that prefix, as a float ``t``, is the guess: one pass
-  over the row appends every element with ``x >= t`` or NaN (``setp.geu.f32``, which is
-  ``order_key(x) >= order_key(t)`` for every float) to the candidates as ``(float bits,
-  index)``, counting them. Their count is about ``topk + margin``, with a standard deviation
-  of about ``sqrt(7 (topk + margin))`` for a sample of one in eight: the margin is 3.5 of them
-  at topk 512, 3.8 at 2048, and the room for ``topk + 2 margin`` as many above. With at least ``topk`` candidates and no more than fit, the top ``topk`` of the row
-  are all among them: a radix select over the candidates alone (digits as below), their bits
-  set in the selected and tied bitmaps, the ties ranked as below, and each selected candidate
-  writes itself to its output slot, the rank of its index in the selected bitmap (a per-word
-  prefix of popcounts, kept over the tied bitmap, resolved by then). Otherwise (a sample far
-  from the rest of the row, exact ties across the guess, a guess among NaNs) the radix select
-  below runs over the whole row. The row is read 1.25 times instead of twice, with one float
-  comparison per element where the radix select's two passes convert, histogram and compare
-  every element twice.
+* Guessed threshold, for a row longer than the row cache (up to ``8 * cache_elems``) when ``topk +
+  2 * margin`` candidates fit the row cache next to the row's two bitmaps (``margin = max(topk /
+  4, 256)``): one 16-byte vector in ``SAMPLE = 8`` is read (a quarter of the row's 32-byte
+  sectors) and its radix keys kept in the row cache; two histogram passes over that sample find
+  the 22-bit prefix of its ``k_s``-th largest key, ``k_s`` being the sample's share of ``topk +
+  margin``. The lowest key of that prefix, as a float ``t``, is the guess: one pass over the row
+  appends every element with ``x >= t`` or NaN (``setp.geu.f32``, which is ``order_key(x) >=
+  order_key(t)`` for every float) to the candidates as ``(float bits, index)``, counting them.
+  Their count is about ``topk + margin``, with a standard deviation of about ``sqrt(7 (topk +
+  margin))`` for a sample of one in eight: the margin is 3.5 of them at topk 512, 3.8 at 2048, and
+  the room for ``topk + 2 margin`` as many above. With at least ``topk`` candidates and no more
+  than fit, the top ``topk`` of the row are all among them: a radix select over the candidates
+  alone (digits as below), their bits set in the selected and tied bitmaps, the ties ranked as
+  below, and each selected candidate writes itself to its output slot, the rank of its index in
+  the selected bitmap (a per-word prefix of popcounts, kept over the tied bitmap, resolved by
+  then). Otherwise (a sample far from the rest of the row, exact ties across the guess, a guess
+  among NaNs) the radix select below runs over the whole row. The row is read 1.25 times instead
+  of twice, with one float comparison per element where the radix select's two passes convert,
+  histogram and compare every element twice.
 * The first pass reads the row from global memory in 16-byte vectors (four per thread in
   flight). A row of at most ``cache_elems`` keeps its radix keys ``u`` in shared memory, padded
   with sentinels to whole tiles (the later passes read it without bounds checks); a longer row
   is re-read from global memory (L2).
 * Candidates and bitmaps: when the first digit's threshold bin holds at most ``cand_elems``
   elements, a second pass over the row appends their ``(radix key, index)`` pairs to a
-  shared-memory buffer (``atom.shared.add`` on a counter, any order) and sets, with
-  ``red.shared.or``, the bits of the elements above that bin in a bitmap of the row (one bit a
-  key, ``ceil(n / 32)`` words). Read from global memory, this pass walks the row from its end:
-  the first pass read that end last, so more of it is still in L2. The second and third digits
-  are histogrammed over the candidates alone; then the candidates above the final threshold get
-  their bits, and so do those at it when all of them are taken. Otherwise (exact ties across
-  the boundary) those go to a second bitmap, and a block scan of the threads' counts of its bits
-  (each thread owns a contiguous range of words) moves the first ``need`` of them, in index
-  order, into the first. A cached row's bitmaps have their own buffer (``cache_elems / 16``
-  words); a longer row's use the row cache, unused then, so rows up to ``16 * cache_elems``
-  keys take this path.
+  shared-memory buffer (one ``atom.shared.add`` on a counter per warp and batch of 16 elements a
+  thread, any order) and sets, with ``red.shared.or``, the bits of the elements above that bin in
+  a bitmap of the row (one bit a key, ``ceil(n / 32)`` words). Read from global memory, this pass
+  walks the row from its end: the first pass read that end last, so more of it is still in L2. The
+  second and third digits are histogrammed over the candidates alone; then the candidates above
+  the final threshold get their bits, and so do those at it when all of them are taken. Otherwise
+  (exact ties across the boundary) those go to a second bitmap, and a block scan of the threads'
+  counts of its bits (each thread owns a contiguous range of words) moves the first ``need`` of
+  them, in index order, into the first. A cached row's bitmaps have their own buffer
+  (``cache_elems / 16`` words); a longer row's use the row cache, unused then, so rows up to ``16
+  * cache_elems`` keys take this path.
 * Output from the bitmap: a block scan of the threads' popcounts gives each thread the first
   slot of its words' bits; the threads write ``(index, score)`` of their bits in order into a
   shared-memory staging area (the candidates' buffer, free by now; ``cand_elems`` slots a
@@ -119,7 +119,14 @@ T           radix select ms      this kernel    speed
 131072      35.883               24.104         1.49x
 ==========  ===================  =============  =======
 
-(T 16384 has no row longer than the cache.) The guess on rows that fit the cache, from the
+(T 16384 has no row longer than the cache.) Then the radix select's candidates too took one
+atomic per warp and batch: 0.679 / 2.153 / 6.669 ms against 0.684 / 2.213 / 6.776 at T 16384 /
+32768 / 65536 (same process, bitwise the same). With the guess, 256 threads, an 8192-key cache
+and 3 CTAs per SM took 0.630 / 1.955 / 8.967 ms there: faster while the rows are at most 32768
+keys, slower past that (rows past 32768 do not fit the guess's candidates next to their bitmaps
+in the smaller cache). The launcher does not choose by row length yet.
+
+The guess on rows that fit the cache, from the
 cached row, was slower: 0.786 against 0.661 ms at T 16384 (same process). Its ~2600 candidates
 are a third of such a row, and each takes several passes; the radix select's second pass reads
 the cached row anyway.
@@ -196,13 +203,6 @@ def st_shared_v4(addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=Non
 def st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None):
     """``st.shared.b32``."""
     _stmt("st.shared.b32 [$0], $1;", "r,r,~{memory}", [Int32(addr), Int32(v)], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def atom_shared_inc(addr: Int32, *, loc=None, ip=None) -> Int32:
-    """``atom.shared.add.u32 [addr], 1``: the previous value."""
-    return Int32(_asm("atom.shared.add.u32 $0, [$1], 1;", "=r,r,~{memory}", [Int32(addr)],
-                      T.i32(), loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -560,21 +560,8 @@ class TopkSelectSm90:
                         hit = (((base + j * nt + tidx) * VEC + i < n)
                                & (ge_or_nan(vals[j][i], t) != 0))
                         hits = hits | cutlass.select_(hit, Int32(1 << (j * VEC + i)), Int32(0))
-                c = popc(hits)
-                incl = self._warp_scan(c, lane)
-                total = cute.arch.shuffle_sync(incl, 31)
-                if total > 0:
-                    first = Int32(0)
-                    if lane == 31:
-                        first = atom_shared_add(count_s, total)
-                    pos = cute.arch.shuffle_sync(first, 31) + incl - c
-                    for j in cutlass.range_constexpr(BATCH):
-                        for i in cutlass.range_constexpr(VEC):
-                            if ((hits >> (j * VEC + i)) & 1) != 0:
-                                if pos < cap:
-                                    st_shared_v2(cands + pos * 8, vals[j][i],
-                                                 (base + j * nt + tidx) * VEC + i)
-                                pos = pos + 1
+                self._append(hits, [x for vec in vals for x in vec], base, cands, count_s, cap,
+                             tidx)
             cute.arch.sync_threads()
             n_cand = ld_shared_b32(count_s)
             if (n_cand >= topk) & (n_cand <= cap):
@@ -583,6 +570,29 @@ class TopkSelectSm90:
                                         lane, warp)
                 done = Int32(1)
         return done
+
+    @cute.jit
+    def _append(self, hits, words, base, cands, count_s, cap, tidx):
+        """Appends ``(words[m], index)`` for each bit ``m`` set in ``hits``, the elements of a
+        batch (:meth:`_load_batch` at ``base``), to the candidates at ``cands``, at most ``cap``
+        of them, and counts them all in ``count_s``: one ``atom.shared.add`` per warp for the
+        warp's hits, placed in lane order."""
+        lane = tidx % 32
+        c = popc(hits)
+        incl = self._warp_scan(c, lane)
+        total = cute.arch.shuffle_sync(incl, 31)
+        if total > 0:
+            first = Int32(0)
+            if lane == 31:
+                first = atom_shared_add(count_s, total)
+            pos = cute.arch.shuffle_sync(first, 31) + incl - c
+            for j in cutlass.range_constexpr(BATCH):
+                for i in cutlass.range_constexpr(VEC):
+                    if ((hits >> (j * VEC + i)) & 1) != 0:
+                        if pos < cap:
+                            st_shared_v2(cands + pos * 8, words[j * VEC + i],
+                                         (base + j * self.num_threads + tidx) * VEC + i)
+                        pos = pos + 1
 
     @cute.jit
     def _cand(self, cands, i):
@@ -723,6 +733,8 @@ class TopkSelectSm90:
                 # from the row's end: the first pass read it last, so L2 still holds it
                 base = (n_iter - 1 - it) * step
             vals = self._load_batch(row, row_s, base, nvec, tidx, from_smem)
+            hits = Int32(0)
+            keys = []
             for j in cutlass.range_constexpr(BATCH):
                 v = base + j * self.num_threads + tidx
                 for i in cutlass.range_constexpr(VEC):
@@ -738,11 +750,11 @@ class TopkSelectSm90:
                         ok = e < n
                         hit = ok & (d == top_bin)
                         up = use_bits & ok & (d > top_bin)
-                    if hit:
-                        pos = atom_shared_inc(count_s)
-                        st_shared_v2(cand_s + pos * 8, u, e)
+                    hits = hits | cutlass.select_(hit, Int32(1 << (j * VEC + i)), Int32(0))
+                    keys.append(u)
                     if up:
                         red_shared_or(sel_s + (e >> 5) * 4, Int32(1) << (e & 31))
+            self._append(hits, keys, base, cand_s, count_s, Int32(self.cand_elems), tidx)
 
     @cute.jit
     def _cand_hist(self, sCand, hist, n_cand, thr_u, level: cutlass.Constexpr, tidx):
