@@ -126,18 +126,16 @@ and 3 CTAs per SM took 0.630 / 1.955 / 8.967 ms there: faster while the rows are
 keys, slower past that (rows past 32768 do not fit the guess's candidates next to their bitmaps
 in the smaller cache). The launcher does not choose by row length yet.
 
-The guess on rows that fit the cache, from the
-cached row, was slower: 0.786 against 0.661 ms at T 16384 (same process). Its ~2600 candidates
-are a third of such a row, and each takes several passes; the radix select's second pass reads
-the cached row anyway.
+The guess on rows that fit the cache, from the cached row, was slower: 0.786 against 0.661 ms at
+T 16384 (same process). Its ~2600 candidates are a third of such a row, and each takes several
+passes; the radix select's second pass reads the cached row anyway.
 
 The radix select with a shared-memory histogram per digit is the standard GPU selection
 technique, and selecting from a sample's order statistic is Floyd and Rivest's (1975); this
 kernel's own choices are the digit split, the exact-need early stop, the candidate buffer, the
 bitmap output with its tie ranking, the guess as one float comparison, the slot of a candidate
-from the bitmap's word prefix, and the fallback compaction. cuDNN
-frontend 1.32's deterministic SM90 top-k also orders its output with an index bitmap and
-popcounts.
+from the bitmap's word prefix, and the fallback compaction. cuDNN frontend 1.32's deterministic
+SM90 top-k also orders its output with an index bitmap and popcounts.
 """
 
 from __future__ import annotations
@@ -427,7 +425,8 @@ class TopkSelectSm90:
                                  top_bin, tidx, False)
                 cute.arch.sync_threads()
                 if cnt != need:
-                    self._cand_hist(sCand, hist_b, n_cand, thr_u, 1, tidx)
+                    self._cand_hist(lambda i: sCand[2 * i], hist_b, n_cand, thr_u, 1, False,
+                                    tidx)
                     cute.arch.sync_threads()
                     b, above, cnt = self._find(sHist, BINS, sWarp, sRes, need, tidx, lane,
                                                warp)
@@ -435,7 +434,8 @@ class TopkSelectSm90:
                     need = need - above
                     shift = Int32(DIGITS[1][0])
                     if cnt != need:
-                        self._cand_hist(sCand, hist_a, n_cand, thr_u, 2, tidx)
+                        self._cand_hist(lambda i: sCand[2 * i], hist_a, n_cand, thr_u, 2, True,
+                                        tidx)
                         cute.arch.sync_threads()
                         b, above, cnt = self._find(sHist, 0, sWarp, sRes, need, tidx, lane,
                                                    warp)
@@ -604,15 +604,8 @@ class TopkSelectSm90:
                     sWarp, sRes, tidx, lane, warp):
         """Histogram of digit ``level`` over the candidates whose higher digits equal
         ``thr_u``'s, then (bin, count above it, its count) of the ``need``-th largest."""
-        shift, mask = DIGITS[level]
-        for i in cutlass.range(tidx, n_cand, self.num_threads, unroll=1):
-            x, _ = self._cand(cands, i)
-            u = order_key(x) ^ Int32(INT_MIN)
-            if const_expr(level == 0):
-                red_shared_add_1(hist + ((u >> shift) & mask) * 4)
-            else:
-                if ((u ^ thr_u) >> DIGITS[level - 1][0]) == 0:
-                    red_shared_add_1(hist + ((u >> shift) & mask) * 4)
+        self._cand_hist(lambda i: order_key(self._cand(cands, i)[0]) ^ Int32(INT_MIN), hist,
+                        n_cand, thr_u, level, level > 0, tidx)
         cute.arch.sync_threads()
         return self._find(sHist, BINS if level == 1 else 0, sWarp, sRes, need, tidx, lane, warp)
 
@@ -757,17 +750,18 @@ class TopkSelectSm90:
             self._append(hits, keys, base, cand_s, count_s, Int32(self.cand_elems), tidx)
 
     @cute.jit
-    def _cand_hist(self, sCand, hist, n_cand, thr_u, level: cutlass.Constexpr, tidx):
-        """Histogram of digit ``level`` over the candidates whose higher digits equal
-        ``thr_u``'s (all of them match the top digit)."""
+    def _cand_hist(self, key_of, hist, n_cand, thr_u, level: cutlass.Constexpr,
+                   filtered: cutlass.Constexpr, tidx):
+        """Histogram of digit ``level`` over the candidates' radix keys ``key_of(i)``; with
+        ``filtered``, only of those whose higher digits equal ``thr_u``'s (without, all of them
+        are counted: the top digit, or candidates that all share it)."""
         shift, mask = DIGITS[level]
-        prev_shift = DIGITS[level - 1][0]
         for i in cutlass.range(tidx, n_cand, self.num_threads, unroll=1):
-            u = sCand[2 * i]
-            if const_expr(level == 1):
+            u = key_of(i)
+            if const_expr(not filtered):
                 red_shared_add_1(hist + ((u >> shift) & mask) * 4)
             else:
-                if ((u ^ thr_u) >> prev_shift) == 0:
+                if ((u ^ thr_u) >> DIGITS[level - 1][0]) == 0:
                     red_shared_add_1(hist + ((u >> shift) & mask) * 4)
 
     @cute.jit
