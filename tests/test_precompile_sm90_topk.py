@@ -13,8 +13,10 @@ from mla_inductor.kernels.sm90 import topk, topk_host  # noqa: E402
 def test_precompile_select_compiles_and_caches(tmp_path):
     compiled = topk_host.precompile_select("sm_90a")
     key = topk_host.compile_key()
-    assert list(compiled) == [key] == [(topk_host.NUM_THREADS, topk_host.CACHE_ELEMS,
-                                        topk_host.CAND_ELEMS, topk_host.MIN_BLOCKS, "sm_90a")]
+    short = topk_host.compile_key(*topk_host.SHORT_CONFIG)
+    assert list(compiled) == [key, short]
+    assert key == (topk_host.NUM_THREADS, topk_host.CACHE_ELEMS, topk_host.CAND_ELEMS,
+                   topk_host.MIN_BLOCKS, "sm_90a")
     path = tmp_path / "select.o"
     compiled[key].export_to_c(object_file_path=str(path), function_name="topk_select")
     assert path.stat().st_size > 0
@@ -33,9 +35,18 @@ def test_rejected_configurations():
         topk.TopkSelectSm90(512, 65536, 1024, 1)
 
 
-def test_default_configuration_fits_its_occupancy():
-    """The default's shared memory lets ``MIN_BLOCKS`` CTAs share an SM (228 KiB, 1 KiB
-    reserved per CTA)."""
-    config = topk.TopkSelectSm90(topk_host.NUM_THREADS, topk_host.CACHE_ELEMS,
-                                 topk_host.CAND_ELEMS, topk_host.MIN_BLOCKS)
-    assert topk_host.MIN_BLOCKS * (config._smem_bytes() + 1024) <= 228 * 1024
+@pytest.mark.parametrize("config", [(topk_host.NUM_THREADS, topk_host.CACHE_ELEMS,
+                                     topk_host.CAND_ELEMS, topk_host.MIN_BLOCKS),
+                                    topk_host.SHORT_CONFIG])
+def test_configurations_fit_their_occupancy(config):
+    """Each configuration's shared memory lets ``min_blocks`` CTAs share an SM (228 KiB, 1 KiB
+    reserved per CTA), and its threads' registers fit the SM's 65536 at 64 a thread."""
+    threads, _, _, min_blocks = config
+    assert min_blocks * (topk.TopkSelectSm90(*config)._smem_bytes() + 1024) <= 228 * 1024
+    assert min_blocks * threads * 64 <= 65536
+
+
+def test_default_key_by_row_length():
+    short = topk_host.compile_key(*topk_host.SHORT_CONFIG)
+    assert topk_host.default_key(1) == topk_host.default_key(topk_host.SHORT_MAX_LEN) == short
+    assert topk_host.default_key(topk_host.SHORT_MAX_LEN + 4) == topk_host.compile_key()

@@ -98,6 +98,19 @@ def test_reference_rules_by_hand():
 cuda = pytest.mark.cuda
 
 
+@pytest.fixture(params=["default", "short rows"])
+def config(request, monkeypatch):
+    """The select's two tuned configurations ``(num_threads, cache_elems, cand_elems,
+    min_blocks)``, the launcher's choice pinned to one of them (it picks by row length)."""
+    from mla_inductor.kernels.sm90 import topk_host
+
+    cfg = ((topk_host.NUM_THREADS, topk_host.CACHE_ELEMS, topk_host.CAND_ELEMS,
+            topk_host.MIN_BLOCKS) if request.param == "default" else topk_host.SHORT_CONFIG)
+    monkeypatch.setattr(topk_host, "default_key",
+                        lambda ld, arch="sm_90a": topk_host.compile_key(*cfg, arch=arch))
+    return cfg
+
+
 def _sm90_or_skip():
     from mla_inductor.kernels import sm90
 
@@ -110,7 +123,7 @@ def _sm90_or_skip():
 @pytest.mark.parametrize("kind", ["randn", "zeros", "small_set", "signed_zeros", "relu",
                                   "narrow", "nonfinite"])
 @pytest.mark.parametrize("topk", [1, 5, 300, 2048, 4096])
-def test_select_matches_reference(kind, topk):
+def test_select_matches_reference(kind, topk, config):
     _sm90_or_skip()
     R, ld = 40, 3000
     buf = _rows(kind, R, ld, seed=topk, device="cuda")
@@ -122,13 +135,11 @@ def test_select_matches_reference(kind, topk):
 
 @cuda
 @pytest.mark.parametrize("kind", ["randn", "small_set", "narrow", "nonfinite"])
-def test_long_rows(kind):
+def test_long_rows(kind, config):
     """Rows re-read from global memory, with their bitmaps in the row cache (up to 16 x its
     length) and without, next to rows that fit shared memory."""
-    from mla_inductor.kernels.sm90 import topk_host
-
     _sm90_or_skip()
-    cache = topk_host.CACHE_ELEMS
+    cache = config[1]
     R, ld = 7, 16 * cache + 8000
     buf = _rows(kind, R, ld, seed=3, device="cuda")
     row_len = torch.tensor([ld, 16 * cache, 16 * cache - 1, cache, cache + 1, 20000, 4097],
@@ -148,12 +159,10 @@ def threshold_tie_rows(R, ld, topk, seed=0):
 
 @cuda
 @pytest.mark.parametrize("where", ["cached", "bitmaps in the row cache", "no bitmaps"])
-def test_ties_at_the_threshold(where):
+def test_ties_at_the_threshold(where, config):
     """Rows that fit shared memory, rows whose bitmaps fit the row cache, and longer rows."""
-    from mla_inductor.kernels.sm90 import topk_host
-
     _sm90_or_skip()
-    cache = topk_host.CACHE_ELEMS
+    cache = config[1]
     ld = {"cached": cache - 400, "bitmaps in the row cache": 4 * cache,
           "no bitmaps": 16 * cache + 4000}[where]
     buf = threshold_tie_rows(4, ld, 2048, seed=ld).cuda()
@@ -162,7 +171,7 @@ def test_ties_at_the_threshold(where):
 
 
 @cuda
-def test_causal_rows():
+def test_causal_rows(config):
     """Row r sees r + 1 keys (the causal layout), topk 2048."""
     _sm90_or_skip()
     T = 4500
@@ -172,7 +181,7 @@ def test_causal_rows():
 
 
 @cuda
-def test_topk_wider_than_buffer_and_zero():
+def test_topk_wider_than_buffer_and_zero(config):
     from mla_inductor.kernels.sm90 import topk_host
 
     _sm90_or_skip()
@@ -186,12 +195,10 @@ def test_topk_wider_than_buffer_and_zero():
 
 
 @cuda
-def test_topk_wider_than_the_output_staging():
+def test_topk_wider_than_the_output_staging(config):
     """topk over the shared-memory staging of the output: the slots go out in several rounds."""
-    from mla_inductor.kernels.sm90 import topk_host
-
     _sm90_or_skip()
-    topk = 2 * topk_host.CAND_ELEMS + 5
+    topk = 2 * config[2] + 5
     buf = _rows("randn", 4, 20000, seed=9, device="cuda")
     _check(buf, torch.tensor([20000, 9000, topk + 1, topk - 1], dtype=torch.int32,
                              device="cuda"), topk)
@@ -211,7 +218,7 @@ def bin_boundary_rows(R, ld, seed=0):
 
 @cuda
 @pytest.mark.parametrize("ld", [3000, 60000])
-def test_selection_ending_at_a_digit(ld):
+def test_selection_ending_at_a_digit(ld, config):
     _sm90_or_skip()
     buf, topks = bin_boundary_rows(4, ld)
     for topk in topks + [topks[0] + 1, topks[1] - 1]:
@@ -219,7 +226,7 @@ def test_selection_ending_at_a_digit(ld):
 
 
 @cuda
-def test_cuda_graph_replay():
+def test_cuda_graph_replay(config):
     from mla_inductor.kernels.sm90 import topk_host
 
     _sm90_or_skip()
@@ -291,15 +298,17 @@ def guess_rows(kind, R, ld, seed=0):
                                      (70004, 512)])
 @pytest.mark.parametrize("kind", ["randn", "relu", "nonfinite", "narrow", "small_set",
                                   "sample_low", "sample_high", "ascending", "cluster"])
-def test_guessed_threshold(kind, ld, topk):
+def test_guessed_threshold(kind, ld, topk, config):
     """Rows up to 8 x the row cache: the select from a sampled guess, rows short enough for
     every element to be a candidate, and the radix select where a guess fails (ties across
     the guess, a sample far from the rest of the row)."""
     _sm90_or_skip()
-    R = 7
+    cache = config[1]
+    lens = [ld, ld - 1, ld - 3, min(ld, 7700), min(ld, cache), min(ld, cache + 1),
+            min(ld, 4 * cache + 1), topk + 1]
+    R = len(lens)
     if kind in ("sample_low", "sample_high", "ascending", "cluster"):
         buf = guess_rows(kind, R, ld, seed=ld + topk).cuda()
     else:
         buf = _rows(kind, R, ld, seed=ld + topk, device="cuda")
-    lens = [ld, ld - 1, ld - 3, min(ld, 7700), min(ld, 16384), min(ld, 16385), topk + 1]
     _check(buf, torch.tensor(lens, dtype=torch.int32, device="cuda"), topk, reruns=1)

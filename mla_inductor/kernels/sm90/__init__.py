@@ -113,7 +113,8 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     ``indexer_positions`` (causal positions given); pass ``indexer_heads=()`` to skip it.
     Lightning-indexer scores (head tile 16, 32 or 64 static): ``lightning_dtypes`` (None:
     ``dtypes``; ``torch.float8_e4m3fn`` too) x the tiles of ``lightning_heads`` x
-    ``lightning_causal``; skipped unless ``lightning_heads`` is given.
+    ``lightning_causal``, and the top-k select's configurations; skipped unless
+    ``lightning_heads`` is given.
     Lightning-indexer scores at the selected slots (``lightning_scores=True``): the forward per
     dtype and the backward for ``dtypes`` x ``lightning_scores_deterministic``. The indexer
     loss's KL (``indexer_kl=True``): its forward and backward (float32, no other key).
@@ -124,7 +125,8 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     """
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
-    from . import bwd_host, fwd_host, indexer_host, kl_host, lightning_host, lightning_scores_host
+    from . import (bwd_host, fwd_host, indexer_host, kl_host, lightning_host,
+                   lightning_scores_host, topk_host)
 
     compiled = {}
     for dtype in dtypes:
@@ -146,6 +148,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
         compiled.update(lightning_host.precompile_scores(
             arch, dtypes=dtypes if lightning_dtypes is None else lightning_dtypes,
             heads=lightning_heads, causal=lightning_causal))
+        compiled.update(topk_host.precompile_select(arch))
     if lightning_scores:
         compiled.update(lightning_scores_host.precompile_scores(
             arch, dtypes=dtypes, deterministic=lightning_scores_deterministic))

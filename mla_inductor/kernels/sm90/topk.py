@@ -124,7 +124,12 @@ atomic per warp and batch: 0.679 / 2.153 / 6.669 ms against 0.684 / 2.213 / 6.77
 32768 / 65536 (same process, bitwise the same). With the guess, 256 threads, an 8192-key cache
 and 3 CTAs per SM took 0.630 / 1.955 / 8.967 ms there: faster while the rows are at most 32768
 keys, slower past that (rows past 32768 do not fit the guess's candidates next to their bitmaps
-in the smaller cache). The launcher does not choose by row length yet.
+in the smaller cache), so the launcher takes that configuration for buffers of rows up to 32768
+keys (``topk_host.SHORT_CONFIG``). Of the others measured the same way (H100, 2026-12-06), 256
+threads with a 12288-key cache and 2 CTAs per SM took 0.743 / 2.140 / 7.054 ms, 1024 threads
+with 16384 keys and 1 CTA 1.213 / 3.334 / 8.888, and 128 threads with 4096 keys and 5 CTAs
+0.844 / 3.087 / 11.879, against 0.677 / 2.092 / 6.845 for the default and 0.626 / 1.914 / 9.132
+for the short rows' configuration.
 
 The guess on rows that fit the cache, from the cached row, was slower: 0.786 against 0.661 ms at
 T 16384 (same process). Its ~2600 candidates are a third of such a row, and each takes several
