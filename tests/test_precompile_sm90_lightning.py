@@ -1,6 +1,7 @@
 """CPU-only: the SM90 lightning-indexer score kernel compiles for sm_90a without a GPU, through
 ``mla_inductor.precompile`` (one kernel per dtype x head tile x causal; bf16, fp16 and
-float8_e4m3fn), and its static configuration fits the GPU. The fp8 kernels' PTX is also
+float8_e4m3fn; the top-k select's configurations with them), and its static configuration fits
+the GPU. The fp8 kernels' PTX is also
 assembled by ptxas for sm_90a (when ptxas is on PATH): no register spills, and the wgmma is the
 e4m3 m64n128k32 one (each block's product in two pieces)."""
 
@@ -18,7 +19,9 @@ pytest.importorskip("cutlass.cute")
 
 import mla_inductor  # noqa: E402
 from mla_inductor.kernels import sm90  # noqa: E402
-from mla_inductor.kernels.sm90 import lightning, lightning_host  # noqa: E402
+from mla_inductor.kernels.sm90 import lightning, lightning_host, topk_host  # noqa: E402
+
+SELECT_KEYS = [topk_host.compile_key(), topk_host.compile_key(*topk_host.SHORT_CONFIG)]
 
 
 def test_precompile_compiles_one_kernel_per_head_tile_and_causal(tmp_path):
@@ -26,9 +29,9 @@ def test_precompile_compiles_one_kernel_per_head_tile_and_causal(tmp_path):
         arch="sm_90a", thresholds=(), backward_heads=(), indexer_heads=(),
         lightning_heads=(8, 32, 64), lightning_causal=(False, True),
     )
-    assert sorted(compiled) == sorted(
-        ("bfloat16", tile, causal, "sm_90a") for tile in (16, 32, 64) for causal in (False, True)
-    )
+    assert sorted(compiled, key=str) == sorted(
+        [("bfloat16", tile, causal, "sm_90a") for tile in (16, 32, 64) for causal in (False, True)]
+        + SELECT_KEYS, key=str)
     key = lightning_host.compile_key(torch.bfloat16, 64, True)
     path = tmp_path / "scores.o"
     compiled[key].export_to_c(object_file_path=str(path), function_name="lightning_scores")
@@ -49,10 +52,9 @@ def test_fp8_compiles_one_kernel_per_head_tile_and_causal():
         lightning_heads=(8, 32, 64), lightning_causal=(False, True),
         lightning_dtypes=(torch.float8_e4m3fn,),
     )
-    assert sorted(compiled) == sorted(
-        ("float8_e4m3fn", tile, causal, "sm_90a") for tile in (16, 32, 64)
-        for causal in (False, True)
-    )
+    assert sorted(compiled, key=str) == sorted(
+        [("float8_e4m3fn", tile, causal, "sm_90a") for tile in (16, 32, 64)
+         for causal in (False, True)] + SELECT_KEYS, key=str)
 
 
 def _ptx(dtype_name: str, head_tile: int, causal: bool, folder) -> str:
