@@ -250,6 +250,32 @@ def test_cuda_graph_replay(config):
 
 
 @cuda
+def test_capture_at_another_row_length(monkeypatch):
+    """Both tuned configurations compile on the first call, so a CUDA graph captured at a row
+    length that takes the other one (after a call at a short one) needs no compile."""
+    from mla_inductor.kernels.cache import KernelCache
+    from mla_inductor.kernels.sm90 import topk_host
+
+    _sm90_or_skip()
+    monkeypatch.setattr(topk_host, "_CACHE", KernelCache("mla_sm90_topk_select"))
+    short, long_ = 3000, topk_host.SHORT_MAX_LEN + 4000
+    _check(_rows("randn", 4, short, seed=7, device="cuda"),
+           torch.full((4,), short, dtype=torch.int32, device="cuda"), 512)
+    buf = _rows("randn", 4, long_, seed=8, device="cuda")
+    row_len = torch.full((4,), long_, dtype=torch.int32, device="cuda")
+    idx = torch.empty(4, 512, dtype=torch.int32, device="cuda")
+    scores = torch.empty(4, 512, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        topk_host.select(buf, row_len, 512, idx, scores)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_idx, ref_scores = reference_select(buf, row_len, 512)
+    assert torch.equal(idx, ref_idx)
+    assert torch.equal(scores, ref_scores)
+
+
+@cuda
 def test_launcher_checks():
     from mla_inductor.kernels.sm90 import topk_host
 

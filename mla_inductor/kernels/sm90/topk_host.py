@@ -35,10 +35,16 @@ def compile_key(num_threads: int = NUM_THREADS, cache_elems: int = CACHE_ELEMS,
     return (int(num_threads), int(cache_elems), int(cand_elems), int(min_blocks), arch)
 
 
+def tuned_keys(arch: str = "sm_90a") -> tuple:
+    """The compile keys of the two tuned configurations: the default, then :data:`SHORT_CONFIG`."""
+    return compile_key(arch=arch), compile_key(*SHORT_CONFIG, arch=arch)
+
+
 def default_key(ld: int, arch: str = "sm_90a") -> tuple:
     """The tuned compile key for a buffer of ``ld`` keys a row: :data:`SHORT_CONFIG` up to
     :data:`SHORT_MAX_LEN`, else the default configuration."""
-    return compile_key(*SHORT_CONFIG, arch=arch) if ld <= SHORT_MAX_LEN else compile_key(arch=arch)
+    long_key, short_key = tuned_keys(arch)
+    return short_key if ld <= SHORT_MAX_LEN else long_key
 
 
 def get_kernel(key: tuple):
@@ -86,7 +92,9 @@ def select(buf: torch.Tensor, row_len: torch.Tensor, topk: int, out_indices: tor
         topk: Python int >= 0.
         out_indices: ``[R, topk]`` int32, contiguous, buf's device.
         out_scores: ``[R, topk]`` float32, contiguous, buf's device.
-        key: the compile key (:func:`compile_key`; default :func:`default_key` of ``ld``).
+        key: the compile key (:func:`compile_key`; default :func:`default_key` of ``ld``, and
+            then both tuned configurations are compiled on first use, so that a CUDA-graph
+            capture at another row length finds its kernel).
 
     Raises:
         ValueError / TypeError: bad ranks, shapes, dtypes, devices, layouts or topk.
@@ -123,4 +131,8 @@ def select(buf: torch.Tensor, row_len: torch.Tensor, topk: int, out_indices: tor
         out_indices.fill_(-1)
         out_scores.zero_()
         return
-    get_kernel(default_key(ld) if key is None else key)(buf, row_len, out_indices, out_scores)
+    if key is None:
+        for tuned in tuned_keys():
+            get_kernel(tuned)
+        key = default_key(ld)
+    get_kernel(key)(buf, row_len, out_indices, out_scores)
