@@ -21,7 +21,7 @@ import mla_inductor  # noqa: E402
 from mla_inductor.kernels import sm90  # noqa: E402
 from mla_inductor.kernels.sm90 import lightning, lightning_host, topk_host  # noqa: E402
 
-SELECT_KEYS = [topk_host.compile_key(), topk_host.compile_key(*topk_host.SHORT_CONFIG)]
+SELECT_KEYS = list(topk_host.tuned_keys())
 
 
 def test_precompile_compiles_one_kernel_per_head_tile_and_causal(tmp_path):

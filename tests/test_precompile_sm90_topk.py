@@ -35,9 +35,7 @@ def test_rejected_configurations():
         topk.TopkSelectSm90(512, 65536, 1024, 1)
 
 
-@pytest.mark.parametrize("config", [(topk_host.NUM_THREADS, topk_host.CACHE_ELEMS,
-                                     topk_host.CAND_ELEMS, topk_host.MIN_BLOCKS),
-                                    topk_host.SHORT_CONFIG])
+@pytest.mark.parametrize("config", topk_host.TUNED_CONFIGS)
 def test_configurations_fit_their_occupancy(config):
     """Each configuration's shared memory lets ``min_blocks`` CTAs share an SM (228 KiB, 1 KiB
     reserved per CTA), and its threads' registers fit the SM's 65536 at 64 a thread."""

@@ -104,8 +104,7 @@ def config(request, monkeypatch):
     min_blocks)``, the launcher's choice pinned to one of them (it picks by row length)."""
     from mla_inductor.kernels.sm90 import topk_host
 
-    cfg = ((topk_host.NUM_THREADS, topk_host.CACHE_ELEMS, topk_host.CAND_ELEMS,
-            topk_host.MIN_BLOCKS) if request.param == "default" else topk_host.SHORT_CONFIG)
+    cfg = topk_host.TUNED_CONFIGS[0 if request.param == "default" else 1]
     monkeypatch.setattr(topk_host, "default_key",
                         lambda ld, arch="sm_90a": topk_host.compile_key(*cfg, arch=arch))
     return cfg

@@ -26,6 +26,8 @@ MIN_BLOCKS = 2  # CTAs per SM the register allocation leaves room for
 # fit the guessed threshold's candidates next to their bitmaps in the smaller cache.
 SHORT_CONFIG = (256, 8192, 2048, 3)
 SHORT_MAX_LEN = 32768
+# the tuned configurations: the default, then the short rows'
+TUNED_CONFIGS = ((NUM_THREADS, CACHE_ELEMS, CAND_ELEMS, MIN_BLOCKS), SHORT_CONFIG)
 
 
 def compile_key(num_threads: int = NUM_THREADS, cache_elems: int = CACHE_ELEMS,
@@ -36,13 +38,14 @@ def compile_key(num_threads: int = NUM_THREADS, cache_elems: int = CACHE_ELEMS,
 
 
 def tuned_keys(arch: str = "sm_90a") -> tuple:
-    """The compile keys of the two tuned configurations: the default, then :data:`SHORT_CONFIG`."""
-    return compile_key(arch=arch), compile_key(*SHORT_CONFIG, arch=arch)
+    """The compile keys of :data:`TUNED_CONFIGS` (the default, then :data:`SHORT_CONFIG`), a tuple
+    of two :func:`compile_key` tuples."""
+    return tuple(compile_key(*config, arch=arch) for config in TUNED_CONFIGS)
 
 
 def default_key(ld: int, arch: str = "sm_90a") -> tuple:
-    """The tuned compile key for a buffer of ``ld`` keys a row: :data:`SHORT_CONFIG` up to
-    :data:`SHORT_MAX_LEN`, else the default configuration."""
+    """The tuned compile key for a buffer of ``ld`` (int, keys a row) float32 scores a row:
+    :data:`SHORT_CONFIG`'s up to :data:`SHORT_MAX_LEN`, else the default configuration's."""
     long_key, short_key = tuned_keys(arch)
     return short_key if ld <= SHORT_MAX_LEN else long_key
 
@@ -53,9 +56,7 @@ def get_kernel(key: tuple):
     return _CACHE.get(key, lambda: compile_for_arch("topk", "compile_select", key))
 
 
-def precompile_select(arch: str = "sm_90a",
-                      configs=((NUM_THREADS, CACHE_ELEMS, CAND_ELEMS, MIN_BLOCKS),
-                               SHORT_CONFIG)) -> dict:
+def precompile_select(arch: str = "sm_90a", configs=TUNED_CONFIGS) -> dict:
     """Compiles the select kernel for ``arch`` without a GPU, one per ``(num_threads,
     cache_elems, cand_elems, min_blocks)`` of ``configs``; returns ``{compile_key: fn}`` (also
     cached).
