@@ -79,14 +79,24 @@ def _ptx(dtype_name: str, head_tile: int, causal: bool, folder) -> str:
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not on PATH")
 @pytest.mark.parametrize("tile,causal", [(64, True), (16, False)])
 def test_fp8_ptx_assembles_without_spills(tmp_path, tile, causal):
-    """The most weights per thread (head tile 64: 16 per token) and the most partial sums (16:
-    16 tokens x 2 rows) next to the 128 accumulators."""
+    """The most weights per thread (head tile 64: 16 per token, and the linear term's 8 more
+    accumulators) and the most partial sums (16: 16 tokens x 2 rows) next to the 128
+    accumulators."""
     ptx = _ptx("float8_e4m3fn", tile, causal, tmp_path)
     wgmmas = set(re.findall(r"wgmma\.mma_async\S*", ptx))
-    assert wgmmas == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
-    # relu on every accumulator, NaN kept, in both epilogues (scales folded, and the definition's
-    # order for a negative, infinite or NaN scale)
-    assert ptx.count("max.NaN.f32") == 2 * 128
+    relus = len(re.findall(r"max\.NaN\.f32 [^,]+, [^,]+, 0f00000000;", ptx))
+    if tile == 64:
+        # the second piece carries the linear term's 16 columns; the scales-folded epilogue
+        # takes |x| (abs folded into the FMA), the definition's order relu, NaN kept
+        assert wgmmas == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3",
+                          "wgmma.mma_async.sync.aligned.m64n144k32.f32.e4m3.e4m3"}
+        assert relus == 128
+        assert ptx.count("abs.f32") >= 128
+    else:
+        assert wgmmas == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
+        # relu on every accumulator, NaN kept, in both epilogues (scales folded, and the
+        # definition's order for a negative, infinite or NaN scale)
+        assert relus == 2 * 128
     path = tmp_path / "scores.ptx"
     path.write_text(ptx)
     out = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o",

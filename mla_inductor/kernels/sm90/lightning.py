@@ -111,6 +111,27 @@ there).
   crosses it (an array of partial sums written in both branches went to local memory). The
   folded order took the scores from 0.88-0.96x cuDNN frontend's fp8 pair to the figures in
   docs/performance.md.
+* The linear term (head tile 64, i.e. 33 to 64 heads: the fast epilogue's work halved). With
+  ``relu(x) = (x + |x|) / 2`` the folded score is ``k_scale / 2 * (sum_h wq_h |x_h| + sum_h
+  wq_h x_h)``, ``wq = w * q_scale``. The first sum is one FMA per accumulator (``|x|`` is an
+  operand modifier of the FMA, where relu was a ``max`` on the ALU pipe and the FMA); the second
+  is linear in q: ``sum_h wq_h (q_h . k) = u . k`` with ``u = sum_h wq_h q_h``, a 128-float
+  query per token, so the tensor cores compute it as extra columns. Once per CTA the consumers
+  form each token's ``u`` in float32 and split it into 4 e4m3 rows, ``u ~ sum_j 2**e_j a_j``:
+  each row takes the residual of those before it, scaled by a power of two that puts the
+  residual's largest magnitude in [128, 256), so every scaling and residual is exact and each
+  row leaves about 2**-4 of the one before (the four leave about 2**-16 of ``max |u|``).
+  The 16 rows (4 tokens x 4) follow the second piece's 128 head rows in shared memory, so the
+  second piece is m64n144k32: the key block is read once for both, and the extra columns cost
+  1/16 of the MMAs. Their columns ``128 + 8 (j // 2) + 2 tok + j % 2`` are accumulator values of
+  quad lane ``tok``, the lane that holds token ``tok``'s score after the reduce-scatter, so the
+  linear term joins each score without a shuffle. The accuracy against the definition: the
+  pieces' residual adds at most about 2**-16 of ``max |u| sum |k|``, and the final sum of the
+  two halves rounds at 2**-24 of ``sum_h |wq_h x_h|``; both are below the fp8 MMA's own
+  accumulation error (below). The fast path is chosen per quad (the quad's lanes share their key
+  rows and hold all the tile's q_scales between them), since its partial sums are not the
+  definition's and cannot meet them in the reduction. The scores are not bitwise those of the
+  relu epilogue; they are as deterministic.
 * k_scale is one float per key row: the producer copies the block's 64 with ``cp.async`` next to
   the block (zero for keys ``>= S``, which are never stored) into a ring of 64 floats per stage,
   published by the block's full barrier; each consumer thread reads its two rows' scales before
@@ -157,7 +178,9 @@ from . import LIGHTNING_D as D
 from . import LIGHTNING_HEAD_TILES as HEAD_TILES
 from . import LIGHTNING_TILE_N as TILE_N
 from .common import SWIZZLE_CHUNK_ROWS, TORCH_TO_CUTE, sw128_offset_bytes
-from .ptx import cp_async_4, cp_async_16, cp_async_wait_all, create_policy, relu_nan
+from .ptx import (cp_async_4, cp_async_16, cp_async_wait_all, create_policy, e4m3x2_from_f32,
+                  f32_bits, f32_from_bits, f32_from_e4m3, ld_shared_u16, max_nan, relu_nan,
+                  st_shared_u16)
 
 TILE_KEYS = 64  # keys per block (wgmma M)
 STAGES = 8  # key blocks in the ring
@@ -166,6 +189,8 @@ REGS_PRODUCER, REGS_CONSUMER = 40, 232  # 40 + 2 x 232 = 3 x 168 (the launch all
 SMEM_LIMIT = 227 * 1024
 W_PAD = 4  # floats of padding after each quad lane's row of weights (bank groups)
 BAR_TURN = 1  # named barriers BAR_TURN + role: "consumer `role` may issue its next block"
+BAR_CONSUMERS = 3  # named barrier of the two consumer warpgroups (the linear term's set-up)
+LIN_PIECES = 4  # float8 pieces of a token's linear-term query (section "fp8" of the docstring)
 DTYPES = {**TORCH_TO_CUTE, "float8_e4m3fn": Float8E4M3FN}
 
 
@@ -204,6 +229,10 @@ class LightningScoresSm90:
         self.parts = 2 if self.fp8 else 1
         self.mma_n = TILE_N // self.parts
         self.tokens_per_part = self.tokens // self.parts
+        # fp8 at 64 heads: relu(x) = (x + |x|) / 2, the linear half on the tensor cores as
+        # LIN_PIECES extra columns per token after the second piece's head columns
+        self.linear = self.fp8 and self.tokens == 4
+        self.lin_cols = self.tokens * LIN_PIECES if self.linear else 0
         self.block_bytes = TILE_KEYS * D * eb
 
     def _layouts(self):
@@ -211,21 +240,29 @@ class LightningScoresSm90:
             sm90_helpers.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.chunk),
             self.dtype,
         )
-        if self.parts > 1:  # pieces of mma_n rows (the same bytes as 256 rows)
+        sQ2 = None
+        if self.linear:  # the two pieces apart: the second has the linear term's rows too
+            sQ = cute.tile_to_shape(atom, (self.mma_n, D), order=(0, 1))
+            sQ2 = cute.tile_to_shape(atom, (self.mma_n + self.lin_cols, D), order=(0, 1))
+        elif self.parts > 1:  # pieces of mma_n rows (the same bytes as 256 rows)
             sQ = cute.tile_to_shape(atom, (self.mma_n, D, self.parts), order=(0, 1, 2))
         else:
             sQ = cute.tile_to_shape(atom, (TILE_N, D), order=(0, 1))
         sK = cute.tile_to_shape(atom, (TILE_KEYS, self.chunk, self.n_chunks * STAGES),
                                 order=(0, 1, 2))
-        return sQ, sK
+        return sQ, sQ2, sK
 
     def _smem_bytes(self):
         # Q, the ring, the weights, 2 x STAGES + 1 mbarriers, alignment slack; in fp8 also the
         # tile's q_scale (the weights' layout) and the ring's k_scale (one float per key)
         columns = 4 * (TILE_N // 4 + W_PAD) * 4
         scales = columns + STAGES * TILE_KEYS * 4 if self.fp8 else 0
+        # the linear term: its rows of Q (and the second tile's alignment), the consumer
+        # warps' maxima per piece and the tokens' piece scales
+        linear = (self.lin_cols * D + 1024 + LIN_PIECES * 8 * 4 + self.tokens * LIN_PIECES * 4
+                  if self.linear else 0)
         return (self.q_bytes + STAGES * self.block_bytes + columns
-                + (2 * STAGES + 1) * 8 + 2048 + scales)
+                + (2 * STAGES + 1) * 8 + 2048 + scales + linear)
 
     @cute.jit
     def __call__(
@@ -247,14 +284,22 @@ class LightningScoresSm90:
         blocks_per_split: Int32,
         stream,
     ):
-        sQ_layout, sK_layout = self._layouts()
+        sQ_layout, sQ2_layout, sK_layout = self._layouts()
         tiled_mma = sm90_helpers.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
             Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(TILE_KEYS, self.mma_n),
         )
+        tiled_mma2 = None
+        if const_expr(self.linear):
+            tiled_mma2 = sm90_helpers.make_trivial_tiled_mma(
+                self.dtype, self.dtype, warpgroup.OperandMajorMode.K,
+                warpgroup.OperandMajorMode.K, Float32, atom_layout_mnk=(1, 1, 1),
+                tiler_mn=(TILE_KEYS, self.mma_n + self.lin_cols),
+            )
         n_tiles = (n_tok + self.tokens - 1) // self.tokens
         self.kernel(mQ, mK, mW, mRowLen, mBuf, mQScale, mKScale, seq_q, seq_k, b0, t0, n_tok,
-                    blocks_per_split, sQ_layout, sK_layout, tiled_mma).launch(
+                    blocks_per_split, sQ_layout, sQ2_layout, sK_layout, tiled_mma,
+                    tiled_mma2).launch(
             grid=[n_tiles, n_splits, n_batch],
             block=[NUM_THREADS, 1, 1],
             smem=self._smem_bytes(),
@@ -279,8 +324,10 @@ class LightningScoresSm90:
         n_tok: Int32,
         blocks_per_split: Int32,
         sQ_layout: cute.ComposedLayout,
+        sQ2_layout: cute.ComposedLayout | None,
         sK_layout: cute.ComposedLayout,
         tiled_mma: cute.TiledMma,
+        tiled_mma2: cute.TiledMma | None,
     ):
         """Device entry: one CTA per (token tile, key range, batch element of the chunk)."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -312,6 +359,10 @@ class LightningScoresSm90:
         if n_blocks > 0:
             smem = cutlass.memory.SmemAllocator()
             sQ = smem.allocate_tensor(self.dtype, sQ_layout.outer, 1024, swizzle=sQ_layout.inner)
+            sQ2 = None
+            if const_expr(self.linear):
+                sQ2 = smem.allocate_tensor(self.dtype, sQ2_layout.outer, 1024,
+                                           swizzle=sQ2_layout.inner)
             sK = smem.allocate_tensor(self.dtype, sK_layout.outer, 1024, swizzle=sK_layout.inner)
             # weights, [quad lane q, token, k]: column 8 (k' // 2) + 2 q + k' % 2 of the
             # accumulator, k' = token * w_per_token + k (the thread's k'-th column)
@@ -326,6 +377,11 @@ class LightningScoresSm90:
             if const_expr(self.fp8):
                 sQs = smem.allocate_tensor(Float32, sW.layout, 16)  # q_scale, as the weights
                 sKs = smem.allocate_tensor(Float32, cute.make_layout((TILE_KEYS, STAGES)), 16)
+            sRed, sLinScale = None, None
+            if const_expr(self.linear):  # per piece: each consumer warp's max; each token's scale
+                sRed = smem.allocate_tensor(Float32, cute.make_layout((8, LIN_PIECES)), 16)
+                sLinScale = smem.allocate_tensor(
+                    Float32, cute.make_layout((LIN_PIECES, self.tokens)), 16)
             mbar_full = mbar
             mbar_empty = mbar + STAGES
             mbar_q = mbar + 2 * STAGES
@@ -363,6 +419,9 @@ class LightningScoresSm90:
                         ok, q_base + ((Int64(row_base + t) * num_heads + h) * D + v * (16 // eb))
                         * eb, q_base)
                     dst = sQ_addr + sw128_offset_bytes(n, vec, 0)
+                    # (rows_per_pass divides mma_n: a pass's rows are all in one piece)
+                    if const_expr(self.linear and p * self.rows_per_pass >= self.mma_n):
+                        dst = sQ2.iterator.toint() + sw128_offset_bytes(n - self.mma_n, vec, 0)
                     if const_expr(self.n_chunks > 1):
                         dst = dst + half * (TILE_N * 128)
                     cp_async_16(dst, src, cutlass.select_(ok, Int32(16), Int32(0)), once)
@@ -429,9 +488,22 @@ class LightningScoresSm90:
                 thr = tiled_mma.get_slice(ct)
                 tSrK = thr.make_fragment_A(thr.partition_A(sK))
                 tSrQ = thr.make_fragment_B(thr.partition_B(sQ))
-                # one accumulator per piece of columns (fp8: two, 128 registers in all)
+                # one accumulator per piece of columns (fp8: two, 128 registers in all; with
+                # the linear term 136)
                 accs = [cute.make_rmem_tensor(thr.partition_shape_C((TILE_KEYS, self.mma_n)),
                                               Float32) for _ in range(self.parts)]
+                pieces = None  # (tiled MMA, A fragment, B fragment) per piece
+                if const_expr(self.linear):
+                    thr2 = tiled_mma2.get_slice(ct)
+                    n2 = self.mma_n + self.lin_cols
+                    accs[1] = cute.make_rmem_tensor(thr2.partition_shape_C((TILE_KEYS, n2)),
+                                                    Float32)
+                    pieces = [(tiled_mma, tSrK, tSrQ),
+                              (tiled_mma2, thr2.make_fragment_A(thr2.partition_A(sK)),
+                               thr2.make_fragment_B(thr2.partition_B(sQ2)))]
+                elif const_expr(self.parts > 1):
+                    pieces = [(tiled_mma, tSrK, tSrQ[None, None, None, h])
+                              for h in range(self.parts)]
                 tScS = thr.partition_C(cute.make_identity_tensor((TILE_KEYS, self.mma_n)))
                 rows = (tScS[0][0], tScS[2][0])  # this thread's two key rows of a block
                 # the thread's weights, the same for every key block: read once into registers
@@ -449,6 +521,16 @@ class LightningScoresSm90:
                             ok = _finite_nonneg(qv[kk])
                             q_fast = ok if q_fast is None else q_fast & ok
                             wr[tok, kk] = wr[tok, kk] * qv[kk]
+                lin_scale = None
+                if const_expr(self.linear):
+                    # the quad shares its rows and holds all the tile's columns: one path for it
+                    fast = cutlass.select_(q_fast, Int32(1), Int32(0))
+                    fast = fast & cute.arch.shuffle_sync_bfly(fast, offset=1)
+                    fast = fast & cute.arch.shuffle_sync_bfly(fast, offset=2)
+                    q_fast = fast != 0
+                    self._linear_rows(sQ, sQ2, sW, sQs, sRed, sLinScale, tidx - 128)
+                    # after the reduce-scatter, quad lane q holds token q: its pieces' scales
+                    lin_scale = [sLinScale[j, quad] for j in range(LIN_PIECES)]
                 for i in cutlass.range(role, n_blocks, 2, unroll=1):
                     s = i % STAGES
                     cute.arch.mbarrier_wait(mbar_full + s, (i // STAGES) & 1)
@@ -458,7 +540,7 @@ class LightningScoresSm90:
                     warpgroup.fence()
                     if const_expr(self.parts > 1):
                         for h in cutlass.range_constexpr(self.parts):
-                            self._mma(tiled_mma, accs[h], tSrK, tSrQ[None, None, None, h], s)
+                            self._mma(pieces[h][0], accs[h], pieces[h][1], pieces[h][2], s)
                     else:
                         self._mma(tiled_mma, accs[0], tSrK, tSrQ, s)
                     if i + 1 < n_blocks:  # the other consumer may issue block i + 1
@@ -474,11 +556,13 @@ class LightningScoresSm90:
                         early = []
                         for h in cutlass.range_constexpr(self.parts - 1):
                             warpgroup.wait_group(self.parts - 1 - h)
-                            early.append(self._sums(accs[h], wr, None, None, ks, quad, h * tp,
+                            early.append(self._sums(accs[h], wr, None, None,
+                                                    None if self.linear else ks, quad, h * tp,
                                                     tp))
                         warpgroup.wait_group(0)
                         cute.arch.mbarrier_arrive(mbar_empty + s)
-                        self._store_fp8(accs, early, wr, sW, sQs, ks, q_fast, quad, store)
+                        self._store_fp8(accs, early, wr, sW, sQs, ks, q_fast, quad, store,
+                                        lin_scale)
                     else:
                         warpgroup.wait_group(0)
                         cute.arch.mbarrier_arrive(mbar_empty + s)
@@ -499,7 +583,63 @@ class LightningScoresSm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def _store_fp8(self, accs, early, wr, sW, sQs, ks, q_fast, quad, store):
+    def _linear_rows(self, sQ, sQ2, sW, sQs, sRed, sLinScale, ct):
+        """The linear term's rows of Q (run by the 256 consumer threads, ``ct`` 0..255, once
+        per CTA): for each token of the tile ``u = sum_h (w * q_scale)[h] q[h, :]`` in float32
+        (q's float8 values exactly), split into LIN_PIECES float8 rows ``u ~ sum_j 2**e_j
+        a_j``: each piece takes the residual of the ones before it, scaled by a power of two
+        that puts the residual's largest magnitude in [128, 256) (so the products and the
+        residuals are exact, and each piece leaves about 2**-4 of the one before). The rows go
+        to the second piece's tile after its head rows: token ``tok``'s piece ``j`` at row
+        ``mma_n + 8 (j // 2) + 2 tok + j % 2``, the accumulator columns that quad lane ``tok``
+        holds; the scales 2**e_j go to ``sLinScale[j, tok]`` (0 for a zero or subnormal-small
+        residual, NaN for a non-finite one). Each thread owns two dimensions of one token."""
+        tok = ct // (D // 2)
+        dim = 2 * (ct % (D // 2))  # its first dimension: a byte offset in the row of fp8
+        vec, inb = dim // 16, dim % 16
+        u0, u1 = Float32(0.0), Float32(0.0)
+        for h in cutlass.range_constexpr(self.head_tile):
+            n = tok * self.head_tile + h  # the tile's Q row (heads of a token are contiguous)
+            base = cutlass.select_(n < self.mma_n, sQ.iterator.toint(),
+                                   sQ2.iterator.toint() - self.mma_n * 128)
+            pair = ld_shared_u16(base + n * 128 + ((vec ^ (h % 8)) << 4) + inb)
+            # head h of the token is accumulator column 8 (k // 2) + 2 q + k % 2 of quad lane
+            # q, k = 2 (h // 8) + h % 2 (the weights' permuted layout)
+            q, k = (h // 2) % 4, 2 * (h // 8) + h % 2
+            wq = sW[q, tok, k] * sQs[q, tok, k]
+            u0 = u0 + wq * f32_from_e4m3(pair, 0)
+            u1 = u1 + wq * f32_from_e4m3(pair, 1)
+        warp = ct // 32
+        lane = ct % 32
+        sQ2_addr = sQ2.iterator.toint()
+        for j in cutlass.range_constexpr(LIN_PIECES):
+            m = max_nan(cute.math.absf(u0), cute.math.absf(u1))
+            for off in (16, 8, 4, 2, 1):
+                m = max_nan(m, cute.arch.shuffle_sync_bfly(m, offset=off))
+            if lane == 0:
+                sRed[warp, j] = m
+            cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=256)
+            m = max_nan(sRed[2 * tok, j], sRed[2 * tok + 1, j])  # the token's two warps
+            e = (f32_bits(m) >> 23) & 0xFF  # biased exponent
+            scale = f32_from_bits((e - 7) << 23)  # 2**(E - 7): m / scale in [128, 256)
+            inv = f32_from_bits((261 - e) << 23)
+            if e < 8:  # zero or below 2**-119: nothing left worth a piece
+                scale, inv = Float32(0.0), Float32(0.0)
+            if e == 0xFF:  # inf or NaN: the scores become NaN
+                scale, inv = f32_from_bits(Int32(0x7FC00000)), Float32(0.0)
+            a = e4m3x2_from_f32(u1 * inv, u0 * inv)
+            u0 = u0 - f32_from_e4m3(a, 0) * scale
+            u1 = u1 - f32_from_e4m3(a, 1) * scale
+            row = 8 * (j // 2) + 2 * tok + j % 2
+            st_shared_u16(sQ2_addr + sw128_offset_bytes(row, vec, 0) + self.mma_n * 128 + inb,
+                          a)
+            if ct % (D // 2) == 0:
+                sLinScale[j, tok] = scale
+        cute.arch.fence_view_async_shared()  # st.shared (generic proxy) -> wgmma
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=256)
+
+    @cute.jit
+    def _store_fp8(self, accs, early, wr, sW, sQs, ks, q_fast, quad, store, lin_scale=None):
         """fp8: the block's scores ``sum_h w * relu((acc * q_scale) * k_scale)`` per (key row,
         token), reduce-scattered over the quad and stored (:meth:`_reduce_and_store`). ``accs``
         hold the pieces of columns in token order; ``early`` is the fast-order sums
@@ -514,8 +654,21 @@ class LightningScoresSm90:
         tp = self.tokens_per_part
         last = self.parts - 1
         if q_fast & _finite_nonneg(ks[0]) & _finite_nonneg(ks[1]):
-            final = self._sums(accs[last], wr, None, None, ks, quad, last * tp, tp)
-            self._reduce_and_store(self._merge_parts(early + [final]), *store)
+            if const_expr(self.linear):
+                # sum_h wr relu(x) = (sum_h wr |x| + sum_h wr x) / 2: the sums of |x| here
+                # (no k_scale yet), the linear half from this lane's token's columns
+                final = self._sums(accs[last], wr, None, None, None, quad, last * tp, tp)
+                lin = []
+                for r in cutlass.range_constexpr(2):
+                    total = Float32(0.0)
+                    for j in cutlass.range_constexpr(LIN_PIECES - 1, -1, -1):  # small first
+                        k = 2 * (self.mma_n // 8 + j // 2) + j % 2
+                        total = total + accs[last][4 * (k // 2) + 2 * r + k % 2] * lin_scale[j]
+                    lin.append((total, ks[r] * Float32(0.5)))
+                self._reduce_and_store(self._merge_parts(early + [final]), *store, lin=lin)
+            else:
+                final = self._sums(accs[last], wr, None, None, ks, quad, last * tp, tp)
+                self._reduce_and_store(self._merge_parts(early + [final]), *store)
         else:
             again = [self._sums(accs[h], None, sW, sQs, ks, quad, h * tp, tp)
                      for h in range(self.parts)]
@@ -545,7 +698,9 @@ class LightningScoresSm90:
                 for kk in cutlass.range_constexpr(self.w_per_token):
                     k = j * self.w_per_token + kk
                     x = acc[4 * (k // 2) + 2 * r + k % 2]
-                    if const_expr(sW is None):
+                    if const_expr(sW is None and self.linear):
+                        total = total + cute.math.absf(x) * wr[tok, kk]
+                    elif const_expr(sW is None):
                         total = total + relu_nan(x) * wr[tok, kk]
                     else:
                         total = total + (relu_nan(x * sQs[quad, tok, kk] * ks[r])
@@ -557,9 +712,10 @@ class LightningScoresSm90:
 
     @cute.jit
     def _reduce_and_store(self, part, mBuf, rows, lane, key0, tok0, tok_end, t0, buf_row0, seq_k,
-                          quad):
+                          quad, lin=None):
         """Reduce-scatters the partial scores ``part`` (:meth:`_sums`) over the quad and stores
-        each lane's share."""
+        each lane's share; with ``lin`` (the linear term: one token a lane), the score of row
+        half ``r`` is ``(sum + lin[r][0]) * lin[r][1]``."""
         tokens = self.tokens
         # reduce-scatter over the quad: lane bit 1 keeps a half of the tokens, bit 0 a quarter
         b1 = (lane & 2) != 0
@@ -581,6 +737,8 @@ class LightningScoresSm90:
                 send = cutlass.select_(b0, lo, hi)
                 mine = cutlass.select_(b0, hi, lo)
                 score = mine + cute.arch.shuffle_sync_bfly(send, offset=1)
+                if const_expr(lin is not None):
+                    score = (score + lin[r][0]) * lin[r][1]
                 t = tok0 + quad * quarter + j
                 key = key0 + rows[r]
                 if (t < tok_end) & (key < seq_k):

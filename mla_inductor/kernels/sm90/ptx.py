@@ -171,3 +171,44 @@ def st_global_b32(addr: Int64, v: Int32, *, loc=None, ip=None) -> None:
 def st_global_f32(addr: Int64, v: Float32, *, loc=None, ip=None) -> None:
     """``st.global.f32``."""
     _asm("st.global.f32 [$0], $1;", "l,f", (Int64(addr), Float32(v)), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def max_nan(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """``max(a, b)`` that keeps a NaN (``max.NaN.f32``)."""
+    return Float32(_asm("max.NaN.f32 $0, $1, $2;", "=f,f,f", (Float32(a), Float32(b)), T.f32(),
+                        loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_shared_u16(addr: Int32, *, loc=None, ip=None) -> Int32:
+    """``ld.shared.u16``, zero-extended."""
+    return Int32(_asm("{\n.reg .b16 t;\nld.shared.u16 t, [$1];\ncvt.u32.u16 $0, t;\n}", "=r,r",
+                      (Int32(addr),), T.i32(), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def st_shared_u16(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
+    """``st.shared.u16`` of the low 16 bits of ``v``."""
+    _asm("{\n.reg .b16 t;\ncvt.u16.u32 t, $1;\nst.shared.u16 [$0], t;\n}", "r,r",
+         (Int32(addr), Int32(v)), loc=loc, ip=ip)
+
+
+@dsl_user_op
+def e4m3x2_from_f32(hi: Float32, lo: Float32, *, loc=None, ip=None) -> Int32:
+    """Two floats rounded to float8_e4m3fn (``cvt.rn.satfinite.e4m3x2.f32``: to nearest even,
+    finite values past 448 to +-448, NaN to NaN) in the low 16 bits: ``lo`` in byte 0, ``hi``
+    in byte 1."""
+    return Int32(_asm("{\n.reg .b16 t;\ncvt.rn.satfinite.e4m3x2.f32 t, $1, $2;\n"
+                      "cvt.u32.u16 $0, t;\n}", "=r,f,f", (Float32(hi), Float32(lo)), T.i32(),
+                      loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f32_from_e4m3(x: Int32, byte: int, *, loc=None, ip=None) -> Float32:
+    """The float8_e4m3fn value in byte ``byte`` (0 or 1) of ``x``, exactly, as a float
+    (``cvt.rn.f16x2.e4m3x2``: every e4m3 value is an f16)."""
+    return Float32(_asm("{\n.reg .b16 t, h0, h1;\n.reg .b32 p;\ncvt.u16.u32 t, $1;\n"
+                        "cvt.rn.f16x2.e4m3x2 p, t;\nmov.b32 {h0, h1}, p;\n"
+                        f"cvt.f32.f16 $0, h{byte};\n}}", "=f,r", (Int32(x),), T.f32(),
+                        loc=loc, ip=ip))
