@@ -127,11 +127,17 @@ there).
   quad lane ``tok``, the lane that holds token ``tok``'s score after the reduce-scatter, so the
   linear term joins each score without a shuffle. The accuracy against the definition: the
   pieces' residual adds at most about 2**-16 of ``max |u| sum |k|``, and the final sum of the
-  two halves rounds at 2**-24 of ``sum_h |wq_h x_h|``; both are below the fp8 MMA's own
-  accumulation error (below). The fast path is chosen per quad (the quad's lanes share their key
-  rows and hold all the tile's q_scales between them), since its partial sums are not the
-  definition's and cannot meet them in the reduction. The scores are not bitwise those of the
-  relu epilogue; they are as deterministic.
+  two halves rounds at 2**-24 of ``sum_h |wq_h x_h|``. On random inputs the first is about
+  2**-18 of ``sum_h |wq_h| (|q_h| . |k|)`` (the GPU tests' bound), below the fp8 MMA's own
+  accumulation error (below); it is not bounded by it: with head weights 2**24 apart and the
+  heads' q on disjoint dimensions (a constructed case, evaluated on the CPU) it reached 3.7e-4
+  of that bound. The fast path is chosen per quad (the quad's lanes share their key rows and
+  hold all the tile's q_scales between them), since its partial sums are not the definition's
+  and cannot meet them in the reduction; a tile also takes the definition's order where a
+  token's ``u`` is not finite (an infinite weight; the split would make every score of the
+  token NaN, where the definition gives +inf for a positive dot) or has a piece below float32's
+  normal range (scale -1). The scores are not bitwise those of
+  the relu epilogue; they are as deterministic.
 * k_scale is one float per key row: the producer copies the block's 64 with ``cp.async`` next to
   the block (zero for keys ``>= S``, which are never stored) into a ring of 64 floats per stage,
   published by the block's full barrier; each consumer thread reads its two rows' scales before
@@ -528,10 +534,16 @@ class LightningScoresSm90:
                     fast = cutlass.select_(q_fast, Int32(1), Int32(0))
                     fast = fast & cute.arch.shuffle_sync_bfly(fast, offset=1)
                     fast = fast & cute.arch.shuffle_sync_bfly(fast, offset=2)
-                    q_fast = fast != 0
                     self._linear_rows(sQ, sQ2, sW, sQs, sRed, sLinScale, tidx - 128)
                     # after the reduce-scatter, quad lane q holds token q: its pieces' scales
                     lin_scale = [sLinScale[j, quad] for j in range(LIN_PIECES)]
+                    # a token whose u is not finite (an infinite weight) or too small for
+                    # float32's normal range has a scale that is NaN or -1: definition's order
+                    for t in cutlass.range_constexpr(tokens):
+                        for j in cutlass.range_constexpr(LIN_PIECES):
+                            fast = fast & cutlass.select_(_finite_nonneg(sLinScale[j, t]),
+                                                          Int32(1), Int32(0))
+                    q_fast = fast != 0
                 for i in cutlass.range(role, n_blocks, 2, unroll=1):
                     s = i % STAGES
                     cute.arch.mbarrier_wait(mbar_full + s, (i // STAGES) & 1)
@@ -624,8 +636,10 @@ class LightningScoresSm90:
             e = (f32_bits(m) >> 23) & 0xFF  # biased exponent
             scale = f32_from_bits((e - 7) << 23)  # 2**(E - 7): m / scale in [128, 256)
             inv = f32_from_bits((261 - e) << 23)
-            if e < 8:  # zero or below 2**-119: nothing left worth a piece
+            if e < 8:  # zero, or below float32's normal range
                 scale, inv = Float32(0.0), Float32(0.0)
+                if m != Float32(0.0):  # not representable: the tile takes the definition's order
+                    scale = Float32(-1.0)
             if e == 0xFF:  # inf or NaN: the scores become NaN
                 scale, inv = f32_from_bits(Int32(0x7FC00000)), Float32(0.0)
             a = e4m3x2_from_f32(u1 * inv, u0 * inv)
@@ -665,7 +679,7 @@ class LightningScoresSm90:
                     for j in cutlass.range_constexpr(LIN_PIECES - 1, -1, -1):  # small first
                         k = 2 * (self.mma_n // 8 + j // 2) + j % 2
                         total = total + accs[last][4 * (k // 2) + 2 * r + k % 2] * lin_scale[j]
-                    lin.append((total, ks[r] * Float32(0.5)))
+                    lin.append((total, ks[r]))
                 self._reduce_and_store(self._merge_parts(early + [final]), *store, lin=lin)
             else:
                 final = self._sums(accs[last], wr, None, None, ks, quad, last * tp, tp)
@@ -716,7 +730,7 @@ class LightningScoresSm90:
                           quad, lin=None):
         """Reduce-scatters the partial scores ``part`` (:meth:`_sums`) over the quad and stores
         each lane's share; with ``lin`` (the linear term: one token a lane), the score of row
-        half ``r`` is ``(sum + lin[r][0]) * lin[r][1]``."""
+        half ``r`` is ``(sum + lin[r][0]) * lin[r][1] / 2``."""
         tokens = self.tokens
         # reduce-scatter over the quad: lane bit 1 keeps a half of the tokens, bit 0 a quarter
         b1 = (lane & 2) != 0
@@ -739,7 +753,7 @@ class LightningScoresSm90:
                 mine = cutlass.select_(b0, hi, lo)
                 score = mine + cute.arch.shuffle_sync_bfly(send, offset=1)
                 if const_expr(lin is not None):
-                    score = (score + lin[r][0]) * lin[r][1]
+                    score = (score + lin[r][0]) * lin[r][1] * Float32(0.5)
                 t = tok0 + quad * quarter + j
                 key = key0 + rows[r]
                 if (t < tok_end) & (key < seq_k):
