@@ -104,6 +104,27 @@ def test_reruns_are_bitwise_identical_and_nan_shows():
     assert not torch.isnan(c[clean]).any()
 
 
+def test_an_infinite_weight_scores_as_the_definition():
+    """A token with an infinite weight at 64 heads: +inf where that head's dot is positive and
+    NaN where it is not (``inf * relu(x)``), as the definition gives; the kernel's split of the
+    relu (its linear term) would make the whole row NaN, so such a tile takes the definition's
+    order. The other rows stay finite."""
+    B, T, S = 1, 700, 900
+    q8, k8, w, pos, (qs, ks) = _inputs(B, T, S, 64, "bottom_right", seed=6)
+    visible = _visible(pos, B, T, S)
+    w = w.clone()
+    w[0, 5, 3] = math.inf
+    c = _run_scores(q8, k8, w, pos, scales=(qs, ks))
+    dot = (k8[0].double() @ q8[0, 5, 3].double()) * qs[0, 5, 3].double() * ks[0].double()
+    row, positive = c[5][visible[5]], (dot > 0)[visible[5]]
+    assert positive.any() and (~positive).any()
+    assert torch.equal(row[positive], torch.full_like(row[positive], math.inf))
+    assert torch.isnan(row[~positive]).all()
+    clean = visible.clone()
+    clean[5] = False
+    assert torch.isfinite(c[clean]).all()
+
+
 @pytest.mark.parametrize("positions", ["random", "none", "bottom_right"])
 def test_indexer_matches_definition(positions):
     from mla_inductor.kernels.sm90 import lightning_indexer_host as host
