@@ -136,8 +136,8 @@ there).
   and cannot meet them in the reduction; a tile also takes the definition's order where a
   token's ``u`` is not finite (an infinite weight; the split would make every score of the
   token NaN, where the definition gives +inf for a positive dot) or has a piece below float32's
-  normal range (scale -1). The scores are not bitwise those of
-  the relu epilogue; they are as deterministic.
+  normal range (scale -1). The scores are not bitwise those of the relu epilogue; they are as
+  deterministic.
 * k_scale is one float per key row: the producer copies the block's 64 with ``cp.async`` next to
   the block (zero for keys ``>= S``, which are never stored) into a ring of 64 floats per stage,
   published by the block's full barrier; each consumer thread reads its two rows' scales before
@@ -605,8 +605,9 @@ class LightningScoresSm90:
         residuals are exact, and each piece leaves about 2**-4 of the one before). The rows go
         to the second piece's tile after its head rows: token ``tok``'s piece ``j`` at row
         ``mma_n + 8 (j // 2) + 2 tok + j % 2``, the accumulator columns that quad lane ``tok``
-        holds; the scales 2**e_j go to ``sLinScale[j, tok]`` (0 for a zero or subnormal-small
-        residual, NaN for a non-finite one). Each thread owns two dimensions of one token."""
+        holds; the scales 2**e_j go to ``sLinScale[j, tok]``: 0 for a zero residual, -1 for a
+        nonzero one below float32's normal range and NaN for a non-finite one (the last two send
+        the tile to the definition's order). Each thread owns two dimensions of one token."""
         tok = ct // (D // 2)
         dim = 2 * (ct % (D // 2))  # its first dimension: a byte offset in the row of fp8
         vec, inb = dim // 16, dim % 16
@@ -665,7 +666,11 @@ class LightningScoresSm90:
         q_scale``): the bf16 epilogue and one multiply per row and token, and ``early`` is used.
         Otherwise (a negative, infinite or NaN scale) every piece is summed again in the
         definition's order, with w and q_scale read from shared memory (``sW``, ``sQs``). Each
-        branch runs to the stores, so that no value crosses it."""
+        branch runs to the stores, so that no value crosses it.
+
+        With the linear term (``lin_scale``: this lane's token's piece scales) the fast path's
+        ``early`` and last-piece sums are ``sum wr |acc|`` without k_scale, and each stored score
+        is ``(that sum + sum_j lin_scale[j] acc[piece j's column]) * k_scale / 2``."""
         tp = self.tokens_per_part
         last = self.parts - 1
         if q_fast & _finite_nonneg(ks[0]) & _finite_nonneg(ks[1]):
@@ -701,7 +706,8 @@ class LightningScoresSm90:
               n_tok: cutlass.Constexpr = None):
         """The thread's partial scores ``[row half r][token]`` (a list) of the ``n_tok`` tokens
         from ``tok_lo`` (default: all) whose columns ``acc`` holds: ``sum_k relu(acc) * wr[tok,
-        k]`` over its columns k of each token, times ``ks[r]`` where given with ``wr``; with
+        k]`` over its columns k of each token (``|acc|`` in place of ``relu(acc)`` with the
+        linear term, whose callers pass no ``ks``), times ``ks[r]`` where given with ``wr``; with
         ``sW`` (fp8, the definition's order) ``sum_k relu((acc * sQs[k]) * ks[r]) * sW[k]``,
         read element by element from shared memory (no registers next to wr)."""
         tokens = self.tokens if const_expr(n_tok is None) else n_tok
