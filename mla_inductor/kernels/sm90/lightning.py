@@ -118,26 +118,27 @@ there).
   is linear in q: ``sum_h wq_h (q_h . k) = u . k`` with ``u = sum_h wq_h q_h``, a 128-float
   query per token, so the tensor cores compute it as extra columns. Once per CTA the consumers
   form each token's ``u`` in float32 and split it into 4 e4m3 rows, ``u ~ sum_j 2**e_j a_j``:
-  each row takes the residual of those before it, scaled by a power of two that puts the
-  residual's largest magnitude in [128, 256), so every scaling and residual is exact and each
-  row leaves about 2**-4 of the one before (the four leave about 2**-16 of ``max |u|``).
+  ``2**e_0`` puts ``max |u|`` in [128, 256), each later row rounds the residual of those before
+  it at ``e_{j+1} = e_j - 5`` (a residual is at most half an e4m3 step at 256, 8 * 2**e_j), so
+  every scaling and residual is exact, no row saturates, and the four leave at most 2**-19 of
+  ``max |u|`` (one maximum per token, not one per piece).
   The 16 rows (4 tokens x 4) follow the second piece's 128 head rows in shared memory, so the
   second piece is m64n144k32: the key block is read once for both, and the extra columns cost
   1/16 of the MMAs. Their columns ``128 + 8 (j // 2) + 2 tok + j % 2`` are accumulator values of
   quad lane ``tok``, the lane that holds token ``tok``'s score after the reduce-scatter, so the
   linear term joins each score without a shuffle. The accuracy against the definition: the
-  pieces' residual adds at most about 2**-16 of ``max |u| sum |k|``, and the final sum of the
-  two halves rounds at 2**-24 of ``sum_h |wq_h x_h|``. On random inputs the first is about
-  2**-18 of ``sum_h |wq_h| (|q_h| . |k|)`` (the GPU tests' bound), below the fp8 MMA's own
-  accumulation error (below); it is not bounded by it: with head weights 2**24 apart and the
-  heads' q on disjoint dimensions (a constructed case, evaluated on the CPU) it reached 3.7e-4
-  of that bound. The fast path is chosen per quad (the quad's lanes share their key rows and
-  hold all the tile's q_scales between them), since its partial sums are not the definition's
-  and cannot meet them in the reduction; a tile also takes the definition's order where a
-  token's ``u`` is not finite (an infinite weight; the split would make every score of the
-  token NaN, where the definition gives +inf for a positive dot) or has a piece below float32's
-  normal range (scale -1). The scores are not bitwise those of the relu epilogue; they are as
-  deterministic.
+  pieces' residual adds at most 2**-19 of ``max |u| sum |k|``, and the final sum of the two
+  halves rounds at 2**-24 of ``sum_h |wq_h x_h|``. On random inputs the first is far below
+  ``sum_h |wq_h| (|q_h| . |k|)`` (the GPU tests' bound) and the fp8 MMA's own accumulation error
+  (below); it is not bounded by it: with head weights 2**24 apart, the heads' q on disjoint
+  dimensions and keys only on the small heads' dimensions (a constructed case, evaluated on the
+  CPU) it reached 1.6e-2 of that bound. The fast path is chosen per quad (the quad's lanes share
+  their key rows and hold all the tile's q_scales between them), since its partial sums are not
+  the definition's and cannot meet them in the reduction; a tile also takes the definition's
+  order where a token's ``u`` is not finite (an infinite weight; the split would make every
+  score of the token NaN, where the definition gives +inf for a positive dot) or has a nonzero
+  ``max |u|`` so small that a piece's scale falls below float32's normal range (scale -1). The
+  scores are not bitwise those of the relu epilogue; they are as deterministic.
 * k_scale is one float per key row: the producer copies the block's 64 with ``cp.async`` next to
   the block (zero for keys ``>= S``, which are never stored) into a ring of 64 floats per stage,
   published by the block's full barrier; each consumer thread reads its two rows' scales before
@@ -186,7 +187,7 @@ from . import LIGHTNING_HEAD_TILES as HEAD_TILES
 from . import LIGHTNING_TILE_N as TILE_N
 from .common import SWIZZLE_CHUNK_ROWS, TORCH_TO_CUTE, sw128_offset_bytes
 from .ptx import (cp_async_4, cp_async_16, cp_async_wait_all, create_policy, e4m3x2_from_f32,
-                  f32_bits, f32_from_bits, f32_from_e4m3, ld_shared_u16, max_nan, relu_nan,
+                  f32_bits, f32_from_bits, f32_from_e4m3, ld_shared_b32, max_nan, relu_nan,
                   st_shared_u16)
 
 TILE_KEYS = 64  # keys per block (wgmma M)
@@ -266,7 +267,7 @@ class LightningScoresSm90:
         scales = columns + STAGES * TILE_KEYS * 4 if self.fp8 else 0
         # the linear term: its rows of Q (and the second tile's alignment), the consumer
         # warps' maxima per piece and the tokens' piece scales
-        linear = (self.lin_cols * D + 1024 + LIN_PIECES * 8 * 4 + self.tokens * LIN_PIECES * 4
+        linear = (self.lin_cols * D + 1024 + 8 * 4 + self.tokens * LIN_PIECES * 4
                   if self.linear else 0)
         return (self.q_bytes + STAGES * self.block_bytes + columns
                 + (2 * STAGES + 1) * 8 + 2048 + scales + linear)
@@ -385,8 +386,8 @@ class LightningScoresSm90:
                 sQs = smem.allocate_tensor(Float32, sW.layout, 16)  # q_scale, as the weights
                 sKs = smem.allocate_tensor(Float32, cute.make_layout((TILE_KEYS, STAGES)), 16)
             sRed, sLinScale = None, None
-            if const_expr(self.linear):  # per piece: each consumer warp's max; each token's scale
-                sRed = smem.allocate_tensor(Float32, cute.make_layout((8, LIN_PIECES)), 16)
+            if const_expr(self.linear):  # each consumer warp's max |u|; each token's piece scales
+                sRed = smem.allocate_tensor(Float32, cute.make_layout((8,)), 16)
                 sLinScale = smem.allocate_tensor(
                     Float32, cute.make_layout((LIN_PIECES, self.tokens)), 16)
             mbar_full = mbar
@@ -599,45 +600,58 @@ class LightningScoresSm90:
     def _linear_rows(self, sQ, sQ2, sW, sQs, sRed, sLinScale, ct):
         """The linear term's rows of Q (run by the 256 consumer threads, ``ct`` 0..255, once
         per CTA): for each token of the tile ``u = sum_h (w * q_scale)[h] q[h, :]`` in float32
-        (q's float8 values exactly), split into LIN_PIECES float8 rows ``u ~ sum_j 2**e_j
-        a_j``: each piece takes the residual of the ones before it, scaled by a power of two
-        that puts the residual's largest magnitude in [128, 256) (so the products and the
-        residuals are exact, and each piece leaves about 2**-4 of the one before). The rows go
-        to the second piece's tile after its head rows: token ``tok``'s piece ``j`` at row
-        ``mma_n + 8 (j // 2) + 2 tok + j % 2``, the accumulator columns that quad lane ``tok``
-        holds; the scales 2**e_j go to ``sLinScale[j, tok]``: 0 for a zero residual, -1 for a
-        nonzero one below float32's normal range and NaN for a non-finite one (the last two send
-        the tile to the definition's order). Each thread owns two dimensions of one token."""
+        (q's float8 values exactly), split into LIN_PIECES float8 rows ``u ~ sum_j 2**e_j a_j``
+        with ``2**e_0`` the power of two that puts ``max |u|`` in [128, 256) and ``e_{j+1} =
+        e_j - 5``: piece j rounds the residual of those before it (at most 8 * 2**e_j, half an
+        e4m3 step at 256), so every scaling and residual is exact, no piece saturates, and the
+        four leave at most 2**-19 of ``max |u|``. The rows go to the second piece's tile after
+        its head rows: token ``tok``'s piece ``j`` at row ``mma_n + 8 (j // 2) + 2 tok + j % 2``,
+        the accumulator columns that quad lane ``tok`` holds; ``2**e_j`` goes to
+        ``sLinScale[j, tok]``: 0 where it would be below float32's normal range and ``max |u|``
+        is 0, -1 there for a nonzero ``max |u|`` and NaN for a non-finite ``u`` (the last two
+        send the tile to the definition's order). A pair of threads sums 4 dimensions of one token, each over half of
+        the heads; then each of the pair splits 2 of them."""
         tok = ct // (D // 2)
-        dim = 2 * (ct % (D // 2))  # its first dimension: a byte offset in the row of fp8
-        vec, inb = dim // 16, dim % 16
-        u0, u1 = Float32(0.0), Float32(0.0)
-        for h in cutlass.range_constexpr(self.head_tile):
+        quad4 = (ct % (D // 2)) // 2  # the pair's 4 dimensions: bytes 4 quad4 .. + 3 of a row
+        half = ct % 2  # heads [half * head_tile / 2, ...)
+        vec, inb = quad4 // 4, (quad4 % 4) * 4
+        nh = self.head_tile // 2
+        u = [Float32(0.0)] * 4
+        for hh in cutlass.range_constexpr(nh):
+            h = half * nh + hh
             n = tok * self.head_tile + h  # the tile's Q row (heads of a token are contiguous)
             base = cutlass.select_(n < self.mma_n, sQ.iterator.toint(),
                                    sQ2.iterator.toint() - self.mma_n * 128)
-            pair = ld_shared_u16(base + n * 128 + ((vec ^ (h % 8)) << 4) + inb)
+            word = ld_shared_b32(base + n * 128 + ((vec ^ (hh % 8)) << 4) + inb)
             # head h of the token is accumulator column 8 (k // 2) + 2 q + k % 2 of quad lane
-            # q, k = 2 (h // 8) + h % 2 (the weights' permuted layout)
-            q, k = (h // 2) % 4, 2 * (h // 8) + h % 2
+            # q, k = 2 (h // 8) + h % 2 (the weights' permuted layout); nh is a multiple of 8
+            q = (hh // 2) % 4
+            k = 2 * (half * (nh // 8) + hh // 8) + hh % 2
             wq = sW[q, tok, k] * sQs[q, tok, k]
-            u0 = u0 + wq * f32_from_e4m3(pair, 0)
-            u1 = u1 + wq * f32_from_e4m3(pair, 1)
-        warp = ct // 32
-        lane = ct % 32
-        sQ2_addr = sQ2.iterator.toint()
+            lo, hi = word & 0xFFFF, (word >> 16) & 0xFFFF
+            u[0] = u[0] + wq * f32_from_e4m3(lo, 0)
+            u[1] = u[1] + wq * f32_from_e4m3(lo, 1)
+            u[2] = u[2] + wq * f32_from_e4m3(hi, 0)
+            u[3] = u[3] + wq * f32_from_e4m3(hi, 1)
+        for i in cutlass.range_constexpr(4):  # the two halves of the heads (the same sum in both)
+            u[i] = u[i] + cute.arch.shuffle_sync_bfly(u[i], offset=1)
+        m = max_nan(max_nan(cute.math.absf(u[0]), cute.math.absf(u[1])),
+                    max_nan(cute.math.absf(u[2]), cute.math.absf(u[3])))
+        for off in (16, 8, 4, 2):
+            m = max_nan(m, cute.arch.shuffle_sync_bfly(m, offset=off))
+        if ct % 32 == 0:
+            sRed[ct // 32] = m
+        cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=256)
+        m = max_nan(sRed[2 * tok], sRed[2 * tok + 1])  # the token's two warps
+        e = (f32_bits(m) >> 23) & 0xFF  # biased exponent: 2**(e - 134) puts m in [128, 256)
+        u0 = cutlass.select_(half == 0, u[0], u[2])  # this thread's two dimensions
+        u1 = cutlass.select_(half == 0, u[1], u[3])
+        sQ2_addr = sQ2.iterator.toint() + self.mma_n * 128 + inb + 2 * half
         for j in cutlass.range_constexpr(LIN_PIECES):
-            m = max_nan(cute.math.absf(u0), cute.math.absf(u1))
-            for off in (16, 8, 4, 2, 1):
-                m = max_nan(m, cute.arch.shuffle_sync_bfly(m, offset=off))
-            if lane == 0:
-                sRed[warp, j] = m
-            cute.arch.barrier(barrier_id=BAR_CONSUMERS, number_of_threads=256)
-            m = max_nan(sRed[2 * tok, j], sRed[2 * tok + 1, j])  # the token's two warps
-            e = (f32_bits(m) >> 23) & 0xFF  # biased exponent
-            scale = f32_from_bits((e - 7) << 23)  # 2**(E - 7): m / scale in [128, 256)
-            inv = f32_from_bits((261 - e) << 23)
-            if e < 8:  # zero, or below float32's normal range
+            ej = e - 5 * j
+            scale = f32_from_bits((ej - 7) << 23)
+            inv = f32_from_bits((261 - ej) << 23)
+            if ej < 8:  # below float32's normal range: no piece
                 scale, inv = Float32(0.0), Float32(0.0)
                 if m != Float32(0.0):  # not representable: the tile takes the definition's order
                     scale = Float32(-1.0)
@@ -647,8 +661,7 @@ class LightningScoresSm90:
             u0 = u0 - f32_from_e4m3(a, 0) * scale
             u1 = u1 - f32_from_e4m3(a, 1) * scale
             row = 8 * (j // 2) + 2 * tok + j % 2
-            st_shared_u16(sQ2_addr + sw128_offset_bytes(row, vec, 0) + self.mma_n * 128 + inb,
-                          a)
+            st_shared_u16(sQ2_addr + sw128_offset_bytes(row, vec, 0), a)
             if ct % (D // 2) == 0:
                 sLinScale[j, tok] = scale
         cute.arch.fence_view_async_shared()  # st.shared (generic proxy) -> wgmma

@@ -181,10 +181,10 @@ def max_nan(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def ld_shared_u16(addr: Int32, *, loc=None, ip=None) -> Int32:
-    """``ld.shared.u16``, zero-extended."""
-    return Int32(_asm("{\n.reg .b16 t;\nld.shared.u16 t, [$1];\ncvt.u32.u16 $0, t;\n}", "=r,r",
-                      (Int32(addr),), T.i32(), loc=loc, ip=ip))
+def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
+    """``ld.shared.b32``."""
+    return Int32(_asm("ld.shared.b32 $0, [$1];", "=r,r,~{memory}", [Int32(addr)], T.i32(),
+                      loc=loc, ip=ip))
 
 
 @dsl_user_op

@@ -152,7 +152,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .ptx import _asm, ld_global_nc_b32, st_global_b32
+from .ptx import _asm, ld_global_nc_b32, ld_shared_b32, st_global_b32
 
 BINS = 2048  # histogram bins (the widest digit, 11 bits)
 DIGITS = ((21, 0x7FF), (10, 0x7FF), (0, 0x3FF))  # (shift, mask) of the three digits
@@ -233,13 +233,6 @@ def st_shared_v2(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None):
     """``st.shared.v2.b32`` to an 8-byte aligned shared address."""
     _stmt("st.shared.v2.b32 [$0], {$1, $2};", "r,r,r,~{memory}",
           [Int32(addr), Int32(a), Int32(b)], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ld_shared_b32(addr: Int32, *, loc=None, ip=None) -> Int32:
-    """``ld.shared.b32``."""
-    return Int32(_asm("ld.shared.b32 $0, [$1];", "=r,r,~{memory}", [Int32(addr)], T.i32(),
-                      loc=loc, ip=ip))
 
 
 @dsl_user_op
