@@ -1,9 +1,9 @@
 """CPU-only: the SM90 lightning-indexer score kernel compiles for sm_90a without a GPU, through
 ``mla_inductor.precompile`` (one kernel per dtype x head tile x causal; bf16, fp16 and
 float8_e4m3fn; the top-k select's configurations with them), and its static configuration fits
-the GPU. The fp8 kernels' PTX is also
-assembled by ptxas for sm_90a (when ptxas is on PATH): no register spills, and the wgmma is the
-e4m3 m64n128k32 one (each block's product in two pieces)."""
+the GPU. The fp8 kernels' PTX is also assembled by ptxas for sm_90a (when ptxas is on PATH): no
+register spills, and the wgmmas are e4m3 m64n128k32 (each block's product in two pieces), with
+m64n144k32 for the second piece at head tile 64 (the linear term's columns)."""
 
 from __future__ import annotations
 

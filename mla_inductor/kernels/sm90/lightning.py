@@ -265,8 +265,8 @@ class LightningScoresSm90:
         # tile's q_scale (the weights' layout) and the ring's k_scale (one float per key)
         columns = 4 * (TILE_N // 4 + W_PAD) * 4
         scales = columns + STAGES * TILE_KEYS * 4 if self.fp8 else 0
-        # the linear term: its rows of Q (and the second tile's alignment), the consumer
-        # warps' maxima per piece and the tokens' piece scales
+        # the linear term: its rows of Q (and the second tile's alignment), each consumer
+        # warp's maximum of |u| and the tokens' piece scales
         linear = (self.lin_cols * D + 1024 + 8 * 4 + self.tokens * LIN_PIECES * 4
                   if self.linear else 0)
         return (self.q_bytes + STAGES * self.block_bytes + columns
@@ -609,8 +609,8 @@ class LightningScoresSm90:
         the accumulator columns that quad lane ``tok`` holds; ``2**e_j`` goes to
         ``sLinScale[j, tok]``: 0 where it would be below float32's normal range and ``max |u|``
         is 0, -1 there for a nonzero ``max |u|`` and NaN for a non-finite ``u`` (the last two
-        send the tile to the definition's order). A pair of threads sums 4 dimensions of one token, each over half of
-        the heads; then each of the pair splits 2 of them."""
+        send the tile to the definition's order). A pair of threads sums 4 dimensions of one
+        token, each over half of the heads; then each of the pair splits 2 of them."""
         tok = ct // (D // 2)
         quad4 = (ct % (D // 2)) // 2  # the pair's 4 dimensions: bytes 4 quad4 .. + 3 of a row
         half = ct % 2  # heads [half * head_tile / 2, ...)
