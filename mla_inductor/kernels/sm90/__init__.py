@@ -1,14 +1,14 @@
 """Our Hopper (SM90a) sparse-MLA kernels, written in CuTe DSL (backend protocol of
 :mod:`mla_inductor.kernels`). The forward's kernel is in :mod:`.fwd`, the backward's in
 :mod:`.bwd`, the indexer's training target in :mod:`.indexer`, the lightning indexer's scores in
-:mod:`.lightning` (bf16 / fp16, and float8_e4m3fn with its scales: compiles, not yet run on
-hardware); each has its launcher (argument checks, compile key, kernel cache, launch) in
-:mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_host`, :mod:`.lightning_host`, which import
-the CuTe DSL only to compile a kernel that is not cached. The lightning indexer's scores and
-top-k select are composed in :mod:`.lightning_indexer_host`. Its scores at the selected slots
-(the op ``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_scores`,
-launched by :mod:`.lightning_scores_host`; the indexer loss's per-row KL and its gradient in
-:mod:`.kl`, launched by :mod:`.kl_host`."""
+:mod:`.lightning` (bf16 / fp16, and float8_e4m3fn with its scales); each has its launcher
+(argument checks, compile key, kernel cache, launch) in :mod:`.fwd_host`, :mod:`.bwd_host`,
+:mod:`.indexer_host`, :mod:`.lightning_host`, which import the CuTe DSL only to compile a kernel
+that is not cached. The lightning indexer's scores and top-k select are composed in
+:mod:`.lightning_indexer_host`. Its scores at the selected slots (the op
+``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_scores`, launched by
+:mod:`.lightning_scores_host`; the indexer loss's per-row KL and its gradient in :mod:`.kl`,
+launched by :mod:`.kl_host`."""
 
 from __future__ import annotations
 
