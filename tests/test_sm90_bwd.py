@@ -110,12 +110,41 @@ def test_gathers_evict_first_same_gradients(monkeypatch, with_len):
     plain = bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
     monkeypatch.setattr(bwd_host, "_l2_bytes", lambda device: 0)
     assert bwd_host.gathers_evict_first(kv)
-    streamed = bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
+    streamed = bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v,
+                                 sort_rows=False)  # the rows as given: dq's sums in plain's order
     torch.cuda.synchronize()
     assert torch.equal(streamed[0], plain[0])
     assert rel_l2(streamed[1], plain[1]) < 1e-3
     assert rel_l2(streamed[0], dq64) <= 1.5 * rel_l2(dq64.to(q.dtype), dq64)
     assert rel_l2(streamed[1], dkv64) <= 1.5 * rel_l2(dkv64.to(kv.dtype), dkv64)
+
+
+@pytest.mark.parametrize("with_len,sink", [(False, False), (True, True)])
+def test_sorted_rows_same_gradients(monkeypatch, with_len, sink):
+    """The backward over each row's slots sorted first (chosen with the evict_first gathers)
+    sees the same valid slots: dq and dkv against fp64 within 1.5x the bf16 floor, close to the
+    unsorted run's, d_sink the unsorted run's to float32's rounding; the policy's choice and an
+    explicit ``sort_rows=True`` give the same dq bitwise."""
+    T, H, d_qk, d_v, S, topk = 3, 128, 576, 512, 4096, 2048
+    q, kv, dout, indices, topk_length = _case(T, H, d_qk, d_v, S, topk, seed=12,
+                                              with_topk_length=with_len)
+    sm_scale = d_qk**-0.5
+    dq64, dkv64, out, lse, o_lo = _reference(q, kv, dout, indices, topk_length, sm_scale, d_v)
+    attn_sink = torch.full((H,), -1.5, device="cuda") if sink else None
+    args = (dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
+    assert not bwd_host.sorts_rows(kv, topk)
+    plain = bwd_host.backward(*args, attn_sink=attn_sink)
+    monkeypatch.setattr(bwd_host, "_l2_bytes", lambda device: 0)
+    assert bwd_host.sorts_rows(kv, topk) and not bwd_host.sorts_rows(kv, 8193)
+    ordered = bwd_host.backward(*args, attn_sink=attn_sink)
+    forced = bwd_host.backward(*args, attn_sink=attn_sink, sort_rows=True)
+    torch.cuda.synchronize()
+    assert torch.equal(ordered[0], forced[0])  # dq: no atomics
+    assert rel_l2(ordered[0], plain[0]) < 1e-3 and rel_l2(ordered[1], plain[1]) < 1e-3
+    assert rel_l2(ordered[0], dq64) <= 1.5 * rel_l2(dq64.to(q.dtype), dq64)
+    assert rel_l2(ordered[1], dkv64) <= 1.5 * rel_l2(dkv64.to(kv.dtype), dkv64)
+    if sink:
+        torch.testing.assert_close(ordered[2], plain[2], rtol=1e-5, atol=1e-6)
 
 
 def test_gathers_evict_first_threshold():

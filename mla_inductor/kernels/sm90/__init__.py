@@ -4,8 +4,9 @@
 :mod:`.lightning` (bf16 / fp16, and float8_e4m3fn with its scales); each has its launcher
 (argument checks, compile key, kernel cache, launch) in :mod:`.fwd_host`, :mod:`.bwd_host`,
 :mod:`.indexer_host`, :mod:`.lightning_host`, which import the CuTe DSL only to compile a kernel
-that is not cached. The lightning indexer's scores and top-k select are composed in
-:mod:`.lightning_indexer_host`. Its scores at the selected slots (the op
+that is not cached. Over long kv the backward first sorts each row's slots (:mod:`.rowsort`,
+launched by :mod:`.rowsort_host`). The lightning indexer's scores and top-k select are composed
+in :mod:`.lightning_indexer_host`. Its scores at the selected slots (the op
 ``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_scores`, launched by
 :mod:`.lightning_scores_host`; the indexer loss's per-row KL and its gradient in :mod:`.kl`,
 launched by :mod:`.kl_host`."""
@@ -99,7 +100,8 @@ def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, 
 
 def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576, d_v: int = 512,
                thresholds=(0.0, 8.0), o_lo=(False, True), topk_length=(False, True),
-               backward_heads=(128,), backward_o_lo=(True,), indexer_heads=(128,),
+               backward_heads=(128,), backward_o_lo=(True,), backward_topk=(2048,),
+               indexer_heads=(128,),
                indexer_positions=(False, True), lightning_heads=(),
                lightning_causal=(False, True), lightning_dtypes=None, lightning_scores=False,
                lightning_scores_deterministic=(False, True), indexer_kl=False) -> dict:
@@ -108,7 +110,9 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     Forward: every combination of ``dtypes`` x ``thresholds`` x ``o_lo`` x ``topk_length``.
     Backward (its head count is static): ``dtypes`` x ``backward_heads`` x ``topk_length`` x
     ``backward_o_lo`` (whether the forward's o_lo is passed; a training forward always returns
-    it); pass ``backward_heads=()`` to skip it. Indexer target (its head tile, 64 or 128, is
+    it); with it, the sort of the rows that a backward over long kv runs first (:mod:`.rowsort`),
+    for ``backward_topk`` (slots a row) x ``topk_length``; pass ``backward_heads=()`` to skip
+    both. Indexer target (its head tile, 64 or 128, is
     static): ``dtypes`` x the tiles of ``indexer_heads`` x ``topk_length`` x
     ``indexer_positions`` (causal positions given); pass ``indexer_heads=()`` to skip it.
     Lightning-indexer scores (head tile 16, 32 or 64 static): ``lightning_dtypes`` (None:
@@ -126,7 +130,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
     from . import (bwd_host, fwd_host, indexer_host, kl_host, lightning_host,
-                   lightning_scores_host, topk_host)
+                   lightning_scores_host, rowsort_host, topk_host)
 
     compiled = {}
     for dtype in dtypes:
@@ -140,6 +144,8 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
         compiled.update(bwd_host.precompile_backward(
             arch, dtypes=dtypes, heads=backward_heads, d_qk=d_qk, d_v=d_v, topk_length=topk_length,
             o_lo=backward_o_lo))
+        compiled.update(rowsort_host.precompile_sort(arch, topks=backward_topk,
+                                                     topk_length=topk_length))
     if indexer_heads:
         compiled.update(indexer_host.precompile_target(
             arch, dtypes=dtypes, d_qk=d_qk, heads=indexer_heads, topk_length=topk_length,
