@@ -37,10 +37,10 @@ def test_precompile_with_the_backward_includes_the_sort():
 def test_padded_widths():
     assert [rowsort_host.padded(k) for k in (1, 256, 257, 640, 2048, 2049, 8192)] == \
         [256, 256, 512, 1024, 2048, 4096, 8192]
-    assert rowsort_host.MAX_SLOTS == rowsort.MAX_N
+    assert rowsort_host.MAX_SLOTS == rowsort.MAX_N and rowsort_host.MIN_N == rowsort.MIN_N
 
 
-@pytest.mark.parametrize("n", [2, 256, 2048, 8192])
+@pytest.mark.parametrize("n", [2, 256, 2048, 8192])  # 2: the network alone
 def test_bitonic_network_sorts(n):
     """The kernel's stages, pairs and directions, applied to tensors: every arrangement tried
     comes out ascending (with repeats and the empty slots' INT32_MAX)."""
@@ -82,6 +82,8 @@ def test_rejected():
         rowsort.RowSortSm90(3000, False)
     with pytest.raises(ValueError, match="sparse_mla: .*power of two"):
         rowsort.RowSortSm90(16384, False)
+    with pytest.raises(ValueError, match="sparse_mla: .*power of two"):
+        rowsort.RowSortSm90(128, False)  # fewer than two slots a thread
     with pytest.raises(ValueError, match="sm_90a"):
         rowsort_host.precompile_sort("sm_100a")
     with pytest.raises(ValueError, match="sparse_mla: .*8192"):

@@ -11,7 +11,8 @@ Why: the SM90 backward adds each slot's dkv row into an fp32 accumulator ``[S, d
 atomics (:mod:`.bwd`). When the accumulator and kv outgrow the L2, the order in which the CTAs
 of a wave touch the keys decides how often a line is fetched from memory again: with every row
 ascending, the CTAs running at once walk nearby keys (performance.md, "Deterministic backward":
-0.71-0.89x the backward's time on unsorted rows at S 32768, the sort included).
+0.71-0.89x the backward's time on unsorted rows at S 32768, measured with ``torch.sort`` in this
+kernel's place, its 1.5 ms included).
 
 Design: one CTA per row, ``N`` = the row's slots padded to a power of two (at most
 :data:`MAX_N`), ``N * 4`` bytes of shared memory. The row is read once (coalesced, one word per
@@ -36,6 +37,7 @@ from .ptx import ld_global_nc_b32, st_global_b32
 
 INT32_MAX = 2**31 - 1
 MAX_N = 8192  # the longest row (slots, padded to a power of two) the kernel sorts
+MIN_N = 256  # the shortest: two slots a thread at the fewest threads (128)
 
 
 def threads_for(n: int) -> int:
@@ -44,13 +46,14 @@ def threads_for(n: int) -> int:
 
 
 class RowSortSm90:
-    """Compile-time configuration: ``n`` (a power of two, 2 to :data:`MAX_N`: the padded row)
+    """Compile-time configuration: ``n`` (a power of two, :data:`MIN_N` to :data:`MAX_N`: the
+    padded row; rows of more than ``n`` slots are not sorted, so the launcher passes ``K <= n``)
     and whether a ``topk_length`` is read."""
 
     def __init__(self, n: int, has_len: bool):
-        if n < 2 or n > MAX_N or n & (n - 1):
-            raise ValueError(f"sparse_mla: the sm90 row sort takes a power of two from 2 to "
-                             f"{MAX_N} slots, got {n}")
+        if n < MIN_N or n > MAX_N or n & (n - 1):
+            raise ValueError(f"sparse_mla: the sm90 row sort takes a power of two from {MIN_N} "
+                             f"to {MAX_N} slots, got {n}")
         self.n = n
         self.has_len = has_len
         self.num_threads = threads_for(n)

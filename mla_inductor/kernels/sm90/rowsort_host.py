@@ -14,7 +14,7 @@ from .host import compile_for_arch
 _CACHE = KernelCache("mla_sm90_rowsort")
 
 MAX_SLOTS = 8192  # the kernel's longest row (:data:`.rowsort.MAX_N`, kept here without the DSL)
-MIN_N = 256  # rows are padded to a power of two, at least this
+MIN_N = 256  # rows are padded to a power of two, at least this (:data:`.rowsort.MIN_N`)
 
 
 def padded(topk: int) -> int:
