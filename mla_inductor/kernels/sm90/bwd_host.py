@@ -62,10 +62,10 @@ def sorts_rows(kv: torch.Tensor, topk: int, accum_bytes: int = 4) -> bool:
     evict first (:func:`gathers_evict_first`: kv and the dkv accumulator do not fit in L2
     together) and a row has at most :data:`.rowsort_host.MAX_SLOTS` slots. Ascending rows keep
     the accumulator's lines of the keys a wave of CTAs adds into in L2: measured (H100,
-    2026-12-06, the whole backward, S 32768, topk 2048, with ``torch.sort`` in the kernel's
-    place, its 1.5 ms included) 0.71-0.89x the time on unsorted rows; at S 8192, where both fit,
-    1.02x, so the rows stay as given there. Rows
-    that are already ascending cost one read and one write of the indices.
+    2026-12-06, the whole backward, T 16384, S 32768, topk 2048, the sort included) 0.84x the
+    time on random rows at H 128 and 0.63x at H 64; with ``torch.sort`` first at S 8192, where
+    both fit, 1.02x, so the rows stay as given there. Rows that are already ascending cost one
+    read and one write of the indices (0.10 ms at T 16384).
 
     Args:
         kv: ``[S, d_qk]`` bf16/fp16 CUDA tensor (only its size, dtype and device are read).
