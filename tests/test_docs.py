@@ -115,19 +115,16 @@ def test_a_heading_that_counts_commands_shows_as_many():
             if len(commands) != count] == []
 
 
-def torch_installs(text: str) -> list[tuple[str, str]]:
-    """``(version, index URL or "")`` of every ``pip install ... torch==<version>`` line."""
-    return re.findall(r"pip install (?:-q )?torch==(\S+)(?: --index-url (\S+))?", text)
+def torch_installs(text: str) -> list[str]:
+    """The version of every ``pip install ... torch==<version>`` line."""
+    return re.findall(r"pip install (?:-q )?torch==(\S+)", text)
 
 
-def test_readme_installs_the_cpu_build_that_ci_tests():
-    """Without a GPU the README's torch line is the CPU build .ci/run installs (the default build
-    is the CUDA one, about 5 GB), and its GPU line is the same version from the default index."""
-    cpu_index = "https://download.pytorch.org/whl/cpu"
+def test_readme_installs_the_torch_that_ci_tests():
+    """The README's torch line is the one release .ci/run installs and tests."""
     readme = torch_installs((ROOT / "README.md").read_text())
     ci = torch_installs((ROOT / ".ci" / "run").read_text())
-    assert len(ci) == 1 and ci[0][1] == cpu_index
-    assert readme == [ci[0], (ci[0][0], "")]
+    assert len(ci) == 1 and readme == ci
 
 
 def imports(src: str) -> list[str]:

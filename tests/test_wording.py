@@ -41,6 +41,7 @@ PATTERNS = {
     r"\b(?:Claude|Anthropic|ChatGPT|Copilot)\b": "a tool's name",
     r"\bbranch [`'\"]": "a branch name",
     r"probe-cluster-bwd|wt-docs|/work/": "a branch or a checkout path",
+    r"--(?:extra-)?index-url\b": "a package registry's address",
 }
 COMPILED = [(re.compile(p, re.IGNORECASE), why) for p, why in PATTERNS.items()]
 
