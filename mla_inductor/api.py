@@ -98,7 +98,8 @@ def sparse_mla(
             ``[B, T]`` or ``[T]``), in the same coordinates as the indices (for packed sequences
             with global indices). Default: ``S - T + t`` within each batch element
             (bottom-right aligned, as flash-attn's causal mask when T <= S).
-        attn_sink: optional float32 ``[H]`` (a learnable parameter in practice): one logit per
+        attn_sink: optional ``[H]``, float32, bfloat16 or float16 (a learnable parameter in
+            practice, in the model's dtype; the softmax runs in float32): one logit per
             head, natural-log units like ``sm_scale * q.k``, that joins the softmax denominator
             and has no value: ``P_j = exp(s_j - lse)``, ``lse = log(exp(sink_h) + sum_j
             exp(s_j))``. Its gradient ``-sum_t exp(sink_h - lse) * (dpsum - dlse)`` flows when it
@@ -132,7 +133,7 @@ def sparse_mla(
             head mismatch between q and indices, a ``topk_length`` that is not ``[T]``
             (``[B, T]``), non-integer indices, mixed devices or an unsupported dtype;
             ``q_positions`` without ``causal``, of a non-integer dtype or not ``[T]``
-            (``[B, T]`` or ``[T]`` batched); an ``attn_sink`` that is not float32 ``[H]``; a
+            (``[B, T]`` or ``[T]`` batched); an ``attn_sink`` that is not ``[H]`` of float32, bfloat16 or float16; a
             rescale_threshold that is not finite, negative or too large for the dtype (all of
             these also at trace time under ``torch.compile``); forward-mode AD or a ``torch.func``
             transform that differentiates (only reverse mode is implemented; ``vmap`` works); a
@@ -162,10 +163,7 @@ def _sm_scale(q: Tensor, sm_scale) -> float:
     and a NaN or infinite value (which would turn every score into NaN or +-inf)."""
     if sm_scale is None:
         return (q.shape[-1] if q.dim() else 1) ** -0.5
-    sm_scale = _number("sm_scale", sm_scale)
-    if isinstance(sm_scale, float):
-        _require(math.isfinite(sm_scale), lambda: f"sm_scale must be finite, got {sm_scale}")
-    return sm_scale
+    return _number("sm_scale", sm_scale)
 
 
 def _flag(name: str, value) -> bool:
@@ -300,7 +298,7 @@ def indexer_kl_loss(
              "q_positions is only read with causal=True; pass causal=True or drop q_positions")
     _check_kl_lengths(indices, topk_length, q_positions)
     lead, K = indices.shape[:-1], indices.shape[-1]
-    rows = lead.numel()
+    rows = math.prod(lead)  # symbolic under export (torch.Size.numel() specialises)
     # each row's valid slots as the op takes them: 0 <= index <= hi[r] and slot < length[r]
     if causal:
         positions = layout.token_positions(indices.shape[-2], kv_len, indices, q_positions)

@@ -41,6 +41,7 @@ from .validation import (
     check_no_func_transform,
     check_rescale_threshold,
     check_sm_scale,
+    sink_in_float32,
 )
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
@@ -261,6 +262,7 @@ def _sparse_mla(q, kv, indices, topk_length, q_positions, attn_sink, causal, sm_
     check_no_forward_ad(q, kv, attn_sink)
     if rescale_threshold is not None:
         check_rescale_threshold(rescale_threshold, q.dtype)
+    attn_sink = sink_in_float32(attn_sink)
     flat = layout.flatten(q, kv, indices, topk_length, causal, q_positions)
     decision = policy.decide(q, kv, rescale_threshold, attn_sink)
     out, lse, _, max_logits = torch.ops.mla_inductor.sparse_mla_fwd(

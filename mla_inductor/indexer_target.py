@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from . import backends, layout, lowering
-from .validation import check_features, check_forward_inputs, check_lse, check_sm_scale, require
+from .validation import (check_features, check_forward_inputs, check_lse, check_sm_scale, require,
+                         sink_in_float32)
 
 _LAYOUT = (torch.Tag.needs_contiguous_strides,)
 
@@ -115,7 +116,7 @@ def _indexer_target_entry(q, kv, indices, lse, topk_length, q_positions, attn_si
         lse = lse.reshape(B * T, lse.shape[-1])
     target = indexer_target(
         flat.q, flat.kv, flat.indices, flat.topk_length, flat.q_positions,
-        None if attn_sink is None else attn_sink.detach(), lse, sm_scale,
+        None if attn_sink is None else sink_in_float32(attn_sink.detach()), lse, sm_scale,
     )
     return target if flat.batch is None else target.view(*flat.batch, target.shape[-1])
 

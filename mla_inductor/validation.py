@@ -29,6 +29,9 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # 2**128, but p also enters fp32 row sums and outputs over up to 2**31 slots of values up to
 # 2**32: below 2**64 they cannot overflow.
 MAX_RESCALE_THRESHOLD = {torch.float16: 15.0, torch.bfloat16: 64.0, torch.float32: 64.0}
+# attn_sink may come in the model's dtype (a model cast with ``.to(torch.bfloat16)``); the entry
+# ops bring it to float32 (:func:`sink_in_float32`), in which the softmax runs.
+SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def require(cond, message: Callable[[], str]) -> None:
@@ -157,6 +160,24 @@ def check_features(
         )
         _check(attn_sink.dtype == torch.float32, f"attn_sink must be float32, got {attn_sink.dtype}")
         _check(attn_sink.device == q.device, f"attn_sink on {attn_sink.device}, q on {q.device}")
+
+
+def sink_in_float32(attn_sink: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``attn_sink [H]`` as the float32 tensor the kernels take: the entry ops call it, so a sink
+    in bfloat16 or float16 (the model's dtype) is accepted on every backend. The cast is
+    differentiable, so ``d_sink`` reaches the caller in the sink's own dtype.
+
+    Raises:
+        RuntimeError: a sink of another dtype (``sparse_mla: attn_sink must be ...``).
+    """
+    if attn_sink is None:
+        return None
+    _check(
+        attn_sink.dtype in SINK_DTYPES,
+        f"attn_sink must be float32, bfloat16 or float16 (the softmax runs in float32), got "
+        f"{attn_sink.dtype}",
+    )
+    return attn_sink.float()
 
 
 def check_backward_inputs(

@@ -166,6 +166,34 @@ def test_max_logits_is_the_true_max_under_either_threshold(backend, threshold):
     assert max_logits.dtype == torch.float32 and max_logits.shape == (8, 4)
 
 
+@pytest.mark.parametrize("sink_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", backend_params())
+def test_a_sink_in_the_models_dtype(backend, sink_dtype):
+    """A bfloat16 or float16 sink (a model cast with ``.to()``): the same out, lse and gradients
+    as its float32 value (the softmax runs in float32), and ``d_sink`` in the sink's dtype: the
+    float32 gradient rounded once."""
+    device = backend_device(backend)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    d_qk, d_v = (D, DV) if device == "cpu" else (576, 512)
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(12, 4, d_qk, generator=g).to(device, dtype)
+    kv = torch.randn(20, d_qk, generator=g).to(device, dtype)
+    idx = torch.randint(-1, 21, (12, 8), generator=g, dtype=torch.int32).to(device)
+    sink = torch.randn(4, generator=g).to(device, sink_dtype)
+    results = []
+    for s in (sink, sink.float()):
+        s = s.clone().requires_grad_()
+        qq = q.clone().requires_grad_()
+        with use_backend(backend):
+            out, lse = sparse_mla(qq, kv, idx, d_v=d_v, causal=True, attn_sink=s,
+                                  return_lse=True)
+            (out.float().square().sum() + lse.sum()).backward()
+        results.append((out, lse, qq.grad, s.grad))
+    (out, lse, dq, d_sink), (out32, lse32, dq32, d_sink32) = results
+    assert torch.equal(out, out32) and torch.equal(lse, lse32) and torch.equal(dq, dq32)
+    assert d_sink.dtype == sink_dtype and torch.equal(d_sink, d_sink32.to(sink_dtype))
+
+
 def test_return_order_and_errors():
     q, kv, idx = _inputs(T=4, H=2, S=6, topk=3, seed=6)
     out = sparse_mla(q, kv, idx, d_v=DV)
@@ -176,7 +204,8 @@ def test_return_order_and_errors():
         sparse_mla(q, kv, idx, d_v=DV, q_positions=torch.arange(4))
     with pytest.raises(RuntimeError, match=r"^sparse_mla: attn_sink must be \[H\] = \[2\]"):
         sparse_mla(q, kv, idx, d_v=DV, attn_sink=torch.zeros(3))
-    with pytest.raises(RuntimeError, match="^sparse_mla: attn_sink must be float32"):
+    with pytest.raises(RuntimeError, match="^sparse_mla: attn_sink must be float32, bfloat16 or "
+                       "float16 .the softmax runs in float32., got torch.float64"):
         sparse_mla(q, kv, idx, d_v=DV, attn_sink=torch.zeros(2, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="^sparse_mla: q_positions must be an integer tensor"):
         sparse_mla(q, kv, idx, d_v=DV, causal=True, q_positions=torch.zeros(4))

@@ -240,6 +240,35 @@ def test_decoder_layer_compiles_fullgraph(layer):
     assert_compiled_matches_eager(block, run)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_cast_to_half_precision_runs_switched(dtype):
+    """``model.to(bfloat16)`` / ``.half()`` (the sinks in that dtype too) runs switched: its logits
+    as close to the float32 model's as the unswitched model's own (within 1.5x its error), the
+    sinks' gradients in their dtype within 0.1 of the float32 model's (the unswitched half model:
+    0.008-0.03), and two SGD steps with a finite loss."""
+    ids = _ids(2, 40)
+    ref_model = _model().train()
+    ref = ref_model(ids, labels=ids, use_cache=False)
+    ref.loss.backward()
+    model = _model().to(dtype).train()
+    with torch.no_grad():
+        unswitched = model(ids, use_cache=False).logits
+    assert hf.apply(model) == 3
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)  # AdamW's eps 1e-8 is 0 in fp16
+    for step in range(2):
+        out = model(ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        assert torch.isfinite(out.loss) and out.logits.dtype == dtype
+        if step == 0:
+            assert rel_l2(out.logits, ref.logits) <= 1.5 * rel_l2(unswitched, ref.logits)
+            for layer, ref_layer in zip(model.model.layers, ref_model.model.layers):
+                grad = layer.self_attn.sinks.grad
+                assert grad.dtype == dtype
+                assert rel_l2(grad, ref_layer.self_attn.sinks.grad) <= 0.1
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def test_the_indexer_loss_is_not_offered():
     model = _model()
     with pytest.raises(ValueError, match=r"^mla_inductor: indexer_loss=True is not offered for "
