@@ -45,6 +45,6 @@ def quantize_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
     if x.dim() == 0 or x.shape[-1] == 0:
         raise RuntimeError(f"quantize_fp8: x must be [..., D] with D >= 1, got shape "
                            f"{tuple(x.shape)}")
-    x = x.detach().float()
+    x = x.detach().float().contiguous()
     scale = (x.abs().amax(-1) / E4M3_MAX).clamp_min(SCALE_FLOOR)
     return (x / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale

@@ -171,6 +171,21 @@ def test_quantize_round_trip(dtype):
     assert torch.all(x8.float().abs().amax(-1) == 448)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_of_a_non_contiguous_input_is_contiguous(dtype):
+    """A transposed or sliced input (a head slice of a projection): both outputs contiguous, the
+    same values as for the contiguous copy."""
+    g = torch.Generator().manual_seed(9)
+    base = torch.randn(6, 4, 64, generator=g).to(dtype)
+    for x in (base.transpose(0, 1), base[:, :, ::2], base[::2]):
+        assert not x.is_contiguous() or x.data_ptr() != base.data_ptr()
+        x8, scale = quantize_fp8(x)
+        want8, want_scale = quantize_fp8(x.contiguous())
+        assert x8.is_contiguous() and scale.is_contiguous()
+        assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
+        assert torch.equal(scale, want_scale)
+
+
 def test_quantize_edge_rows():
     """A zero row: the floor scale and zeros (no 0/0); a NaN row: NaN; an infinite element:
     scale +inf, NaN there and 0 elsewhere; a 1-element row; a tiny row keeps its precision."""
