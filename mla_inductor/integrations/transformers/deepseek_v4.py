@@ -83,33 +83,35 @@ def _pool(module: nn.Module, name: str, hidden_states: Tensor, cache_layer, head
     B = hidden_states.shape[0]
     m = module.compress_rate
     kv, gate = module.kv_proj(hidden_states), module.gate_proj(hidden_states)
-    if cache_layer is None:
-        usable = (kv.shape[1] // m) * m
-        chunk_kv, chunk_gate, first = kv[:, :usable], gate[:, :usable], 0
+    if cache_layer is None:  # the tokens past the last full window are left out below
+        chunk_kv, chunk_gate, first = kv, gate, 0
     else:
         chunk_kv, chunk_gate, first = cache_layer.store_compression_weights(name, kv, gate)
     n = chunk_kv.shape[1] // m
     if n == 0:
         compressed = chunk_kv.new_zeros((B, 0, head_dim))
     else:
-        chunk_kv = chunk_kv.view(B, n, m, -1)
-        chunk_gate = chunk_gate.view(B, n, m, -1) + module.position_bias
+        # windows as [B, n, D, m] views (unfold: the tokens past the last full window left
+        # out), reduced over their last dimension: a view of a token slice, or its transpose,
+        # would make torch.compile guard on T being a multiple of m
+        chunk_kv = chunk_kv.unfold(1, m, m)
+        chunk_gate = chunk_gate.unfold(1, m, m) + module.position_bias.t()
         if overlap:
-            pooled_kv = chunk_kv.new_zeros((B, n, 2 * m, head_dim))
-            pooled_gate = chunk_gate.new_full((B, n, 2 * m, head_dim), float("-inf"))
-            pooled_kv[:, :, m:] = chunk_kv[..., head_dim:]
-            pooled_gate[:, :, m:] = chunk_gate[..., head_dim:]
-            pooled_kv[:, 1:, :m] = chunk_kv[:, :-1, :, :head_dim]
-            pooled_gate[:, 1:, :m] = chunk_gate[:, :-1, :, :head_dim]
-            if cache_layer is not None:
+            pooled_kv = chunk_kv.new_zeros((B, n, head_dim, 2 * m))
+            pooled_gate = chunk_gate.new_full((B, n, head_dim, 2 * m), float("-inf"))
+            pooled_kv[..., m:] = chunk_kv[:, :, head_dim:]
+            pooled_gate[..., m:] = chunk_gate[:, :, head_dim:]
+            pooled_kv[:, 1:, :, :m] = chunk_kv[:, :-1, :head_dim]
+            pooled_gate[:, 1:, :, :m] = chunk_gate[:, :-1, :head_dim]
+            if cache_layer is not None:  # it keeps [B, m, head_dim] windows
                 prior_kv, prior_gate = cache_layer.update_overlap_state(
-                    name, chunk_kv, chunk_gate, head_dim)
+                    name, chunk_kv.transpose(-1, -2), chunk_gate.transpose(-1, -2), head_dim)
                 if prior_kv is not None:
-                    pooled_kv[:, 0, :m] = prior_kv.to(pooled_kv.dtype)
-                    pooled_gate[:, 0, :m] = prior_gate.to(pooled_gate.dtype)
+                    pooled_kv[:, 0, :, :m] = prior_kv.transpose(-1, -2).to(pooled_kv.dtype)
+                    pooled_gate[:, 0, :, :m] = prior_gate.transpose(-1, -2).to(pooled_gate.dtype)
             chunk_kv, chunk_gate = pooled_kv, pooled_gate
-        weights = chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)
-        compressed = module.kv_norm((chunk_kv * weights).sum(dim=2))
+        weights = chunk_gate.softmax(dim=-1, dtype=torch.float32).to(chunk_kv.dtype)
+        compressed = module.kv_norm((chunk_kv * weights).sum(dim=-1))
         positions = (torch.arange(n, device=compressed.device) * m + first).expand(B, n)
         cos, sin = module.rotary_emb(compressed, position_ids=positions,
                                      layer_type=module.rope_layer_type)
