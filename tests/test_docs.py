@@ -1,4 +1,4 @@
-"""Every Python code block of README.md and docs/*.md runs as written, on the CPU.
+"""Every Python code block of README.md and docs/**/*.md runs as written, on the CPU.
 
 Each block runs as a script of its own in a fresh interpreter (the repository root as the working
 directory and on ``PYTHONPATH``), so a block uses only the names it defines. An HTML comment on
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
 KNOWN = ("gpu", "torchrun 2", "needs transformers")

@@ -58,7 +58,7 @@ def flex_sparse_mla(q: Tensor, kv: Tensor, indices: Tensor, *, sm_scale: float, 
     def mask_mod(b, h, t, s):
         return ((bitmap[b, t, s // 32] >> (s % 32)) & 1) == 1
 
-    block_mask = create_block_mask(mask_mod, B, None, T, S, device=q.device, _compile=True)
+    block_mask = torch.compile(create_block_mask)(mask_mod, B, None, T, S, device=q.device)
     attend = torch.compile(flex_attention, fullgraph=True)
     key = kv[:, None]  # [B, 1, S, D]: one head for every query head
     sink = attn_sink is not None
