@@ -7,6 +7,18 @@ import math
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+
+
+@pytest.fixture(autouse=True)
+def no_graph_break():
+    """Every test: no Dynamo graph break. Dynamo counts each break it takes
+    (``counters["graph_break"]``); a test that leaves the count higher than it found it fails,
+    so the count stays zero across the whole run."""
+    before = sum(counters["graph_break"].values())
+    yield
+    breaks = sum(counters["graph_break"].values()) - before
+    assert breaks == 0, f"{breaks} graph break(s): {dict(counters['graph_break'])}"
 
 
 def reference_sparse_mla_fp64(q, kv, indices, topk_length=None, sm_scale=None, d_v=512, *,
