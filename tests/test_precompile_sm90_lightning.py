@@ -19,7 +19,9 @@ pytest.importorskip("cutlass.cute")
 
 import mla_inductor  # noqa: E402
 from mla_inductor.kernels import sm90  # noqa: E402
-from mla_inductor.kernels.sm90 import lightning, lightning_host, topk_host  # noqa: E402
+from mla_inductor.kernels.sm90 import lightning_every_key as lightning  # noqa: E402
+from mla_inductor.kernels.sm90 import lightning_every_key_host as lightning_host  # noqa: E402
+from mla_inductor.kernels.sm90 import topk_host  # noqa: E402
 
 SELECT_KEYS = list(topk_host.tuned_keys())
 

@@ -1,14 +1,14 @@
 """Our Hopper (SM90a) sparse-MLA kernels, written in CuTe DSL (backend protocol of
 :mod:`mla_inductor.kernels`). The forward's kernel is in :mod:`.fwd`, the backward's in
-:mod:`.bwd`, the indexer's training target in :mod:`.indexer`, the lightning indexer's scores in
-:mod:`.lightning` (bf16 / fp16, and float8_e4m3fn with its scales); each has its launcher
-(argument checks, compile key, kernel cache, launch) in :mod:`.fwd_host`, :mod:`.bwd_host`,
-:mod:`.indexer_host`, :mod:`.lightning_host`, which import the CuTe DSL only to compile a kernel
-that is not cached. Over long kv the backward first sorts each row's slots (:mod:`.rowsort`,
-launched by :mod:`.rowsort_host`). The lightning indexer's scores and top-k select are composed
-in :mod:`.lightning_indexer_host`. Its scores at the selected slots (the op
-``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_scores`, launched by
-:mod:`.lightning_scores_host`; the indexer loss's per-row KL and its gradient in :mod:`.kl`,
+:mod:`.bwd`, the indexer's training target in :mod:`.indexer`, the lightning indexer's scores for
+every key in :mod:`.lightning_every_key` (bf16 / fp16, and float8_e4m3fn with its scales); each
+has its launcher (argument checks, compile key, kernel cache, launch) in :mod:`.fwd_host`,
+:mod:`.bwd_host`, :mod:`.indexer_host`, :mod:`.lightning_every_key_host`, which import the CuTe
+DSL only to compile a kernel that is not cached. Over long kv the backward first sorts each row's
+slots (:mod:`.rowsort`, launched by :mod:`.rowsort_host`). The lightning indexer's scores and
+top-k select are composed in :mod:`.lightning_indexer_host`. Its scores at the selected slots (the
+op ``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_scores`, launched
+by :mod:`.lightning_scores_host`; the indexer loss's per-row KL and its gradient in :mod:`.kl`,
 launched by :mod:`.kl_host`."""
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     """
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
-    from . import (bwd_host, fwd_host, indexer_host, kl_host, lightning_host,
+    from . import (bwd_host, fwd_host, indexer_host, kl_host, lightning_every_key_host,
                    lightning_scores_host, rowsort_host, topk_host)
 
     compiled = {}
@@ -151,7 +151,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
             arch, dtypes=dtypes, d_qk=d_qk, heads=indexer_heads, topk_length=topk_length,
             positions=indexer_positions))
     if lightning_heads:
-        compiled.update(lightning_host.precompile_scores(
+        compiled.update(lightning_every_key_host.precompile_scores(
             arch, dtypes=dtypes if lightning_dtypes is None else lightning_dtypes,
             heads=lightning_heads, causal=lightning_causal))
         compiled.update(topk_host.precompile_select(arch))

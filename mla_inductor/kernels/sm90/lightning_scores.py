@@ -64,7 +64,7 @@ Design
 * One compiled kernel serves every B, T, H <= 64, S and topk (symbolic); the compile key is the
   dtype (and, for the backward, whether it is deterministic).
 
-The design follows this package's lightning-indexer score kernel (:mod:`.lightning`: the
+The design follows this package's lightning-indexer score kernel (:mod:`.lightning_every_key`: the
 transposed product, the in-quad head sum) and sparse-MLA backward (:mod:`.bwd`: the gathered
 key blocks, the swizzled ``dS`` tile, the interleaved dk accumulator and its reds, the 64-bit
 fixed point).

@@ -780,7 +780,7 @@ class LightningScoresSm90:
 
 
 # ------------------------------------------------------------------------------------------------
-# compiling (the launcher is in lightning_host.py)
+# compiling (the launcher is in lightning_every_key_host.py)
 # ------------------------------------------------------------------------------------------------
 
 def compile_scores(dtype_name: str, head_tile: int, causal: bool):
