@@ -14,7 +14,9 @@ pytest.importorskip("cutlass.cute")
 
 import mla_inductor  # noqa: E402
 from mla_inductor.kernels import sm90  # noqa: E402
-from mla_inductor.kernels.sm90 import lightning_scores, lightning_scores_host  # noqa: E402
+from mla_inductor.kernels.sm90 import lightning_selected_slots as lightning_scores  # noqa: E402
+from mla_inductor.kernels.sm90 import (  # noqa: E402
+    lightning_selected_slots_host as lightning_scores_host)
 
 DIRECTIONS = ("lightning_indexer_scores", "lightning_indexer_scores_bwd")
 

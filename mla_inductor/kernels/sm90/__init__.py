@@ -7,9 +7,9 @@ has its launcher (argument checks, compile key, kernel cache, launch) in :mod:`.
 DSL only to compile a kernel that is not cached. Over long kv the backward first sorts each row's
 slots (:mod:`.rowsort`, launched by :mod:`.rowsort_host`). The lightning indexer's scores and
 top-k select are composed in :mod:`.lightning_indexer_host`. Its scores at the selected slots (the
-op ``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_scores`, launched
-by :mod:`.lightning_scores_host`; the indexer loss's per-row KL and its gradient in :mod:`.kl`,
-launched by :mod:`.kl_host`."""
+op ``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_selected_slots`,
+launched by :mod:`.lightning_selected_slots_host`; the indexer loss's per-row KL and its gradient
+in :mod:`.kl`, launched by :mod:`.kl_host`."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
     from . import (bwd_host, fwd_host, indexer_host, kl_host, lightning_every_key_host,
-                   lightning_scores_host, rowsort_host, topk_host)
+                   lightning_selected_slots_host, rowsort_host, topk_host)
 
     compiled = {}
     for dtype in dtypes:
@@ -156,7 +156,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
             heads=lightning_heads, causal=lightning_causal))
         compiled.update(topk_host.precompile_select(arch))
     if lightning_scores:
-        compiled.update(lightning_scores_host.precompile_scores(
+        compiled.update(lightning_selected_slots_host.precompile_scores(
             arch, dtypes=dtypes, deterministic=lightning_scores_deterministic))
     if indexer_kl:
         compiled.update(kl_host.precompile_kl(arch))
@@ -192,18 +192,18 @@ def lightning_indexer(q, k, weights, q_positions, topk, *, q_scale=None, k_scale
 
 
 def lightning_indexer_scores(q, k, weights, indices):
-    """See :func:`mla_inductor.kernels.sm90.lightning_scores_host.forward`."""
-    from . import lightning_scores_host
+    """See :func:`mla_inductor.kernels.sm90.lightning_selected_slots_host.forward`."""
+    from . import lightning_selected_slots_host
 
-    return lightning_scores_host.forward(q, k, weights, indices)
+    return lightning_selected_slots_host.forward(q, k, weights, indices)
 
 
 def lightning_indexer_scores_bwd(dscores, q, k, weights, indices, deterministic=False):
-    """See :func:`mla_inductor.kernels.sm90.lightning_scores_host.backward`; dk in 64-bit fixed
-    point (bitwise reproducible) with ``deterministic``."""
-    from . import lightning_scores_host
+    """See :func:`mla_inductor.kernels.sm90.lightning_selected_slots_host.backward`; dk in 64-bit
+    fixed point (bitwise reproducible) with ``deterministic``."""
+    from . import lightning_selected_slots_host
 
-    return lightning_scores_host.backward(dscores, q, k, weights, indices,
+    return lightning_selected_slots_host.backward(dscores, q, k, weights, indices,
                                           deterministic=deterministic)
 
 

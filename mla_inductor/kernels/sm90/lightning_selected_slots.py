@@ -1,6 +1,6 @@
 """The lightning indexer's scores at the selected slots, forward and backward, for Hopper (SM90a),
 written in CuTe DSL (the op :mod:`mla_inductor.lightning_scores`; launchers in
-:mod:`.lightning_scores_host`).
+:mod:`.lightning_selected_slots_host`).
 
 For the flattened rows ``r = b * T + t`` (``q [R, H, D]``, ``weights [R, H]`` float32,
 ``indices [R, topk]`` int32 local to batch element ``b``, ``k [B S, D]``), with
@@ -564,7 +564,7 @@ class LightningScoresBackwardSm90(_ScoresTile):
 
 
 # ------------------------------------------------------------------------------------------------
-# compiling (the launchers are in lightning_scores_host.py)
+# compiling (the launchers are in lightning_selected_slots_host.py)
 # ------------------------------------------------------------------------------------------------
 
 def _per_row(dtype, n_rows, inner: tuple, align: int):
