@@ -158,7 +158,7 @@ import sys
 from unittest import mock
 import torch
 from mla_inductor.kernels import cache, sm90
-from mla_inductor.kernels.sm90 import bwd_host, fwd_host, host, indexer_host
+from mla_inductor.kernels.sm90 import bwd_host, fwd_host, host, indexer_target_host
 with mock.patch.object(torch.cuda, "is_available", lambda: True), \\
         mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (9, 0)):
     print(sm90.available())

@@ -89,6 +89,28 @@ def test_no_import_cycles():
             visit(m)
 
 
+def test_importing_a_kernel_module_leaves_its_package_as_it_was():
+    """Importing a submodule sets its package's attribute of that name: a kernel module named as
+    one of its backend package's protocol functions (``sm90.indexer_target``) would replace the
+    function the first time that kernel is compiled. Checked in a fresh process, importing every
+    module of the kernel packages after the package."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import mla_inductor.kernels as kernels, mla_inductor.kernels.sm90 as sm90\n"
+        "before = {p: dict(vars(p)) for p in (kernels, sm90)}\n"
+        "for package in before:\n"
+        "    for info in pkgutil.iter_modules(package.__path__):\n"
+        "        try:\n"
+        "            importlib.import_module(f'{package.__name__}.{info.name}')\n"
+        "        except ImportError:\n"
+        "            pass  # a backend's optional dependency\n"
+        "print(sorted(f'{p.__name__}.{k}' for p, old in before.items() for k, v in old.items()\n"
+        "             if vars(p).get(k) is not v and not k.startswith('__')))\n"
+    )
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "[]"
+
+
 def test_importing_the_package_imports_no_integrated_library():
     code = "import sys, mla_inductor; print(sorted({'transformers'} & set(sys.modules)))"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

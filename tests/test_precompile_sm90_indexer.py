@@ -9,7 +9,8 @@ import torch
 pytest.importorskip("cutlass.cute")
 
 import mla_inductor  # noqa: E402
-from mla_inductor.kernels.sm90 import indexer, indexer_host  # noqa: E402
+from mla_inductor.kernels.sm90 import indexer_target_kernel as indexer  # noqa: E402
+from mla_inductor.kernels.sm90 import indexer_target_host as indexer_host  # noqa: E402
 
 
 def test_precompile_compiles_one_kernel_per_head_tile_and_feature(tmp_path):

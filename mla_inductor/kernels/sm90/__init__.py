@@ -1,13 +1,14 @@
 """Our Hopper (SM90a) sparse-MLA kernels, written in CuTe DSL (backend protocol of
 :mod:`mla_inductor.kernels`). The forward's kernel is in :mod:`.fwd`, the backward's in
-:mod:`.bwd`, the indexer's training target in :mod:`.indexer`, the lightning indexer's scores for
-every key in :mod:`.lightning_every_key` (bf16 / fp16, and float8_e4m3fn with its scales); each
-has its launcher (argument checks, compile key, kernel cache, launch) in :mod:`.fwd_host`,
-:mod:`.bwd_host`, :mod:`.indexer_host`, :mod:`.lightning_every_key_host`, which import the CuTe
-DSL only to compile a kernel that is not cached. Over long kv the backward first sorts each row's
-slots (:mod:`.rowsort`, launched by :mod:`.rowsort_host`). The lightning indexer's scores and
-top-k select are composed in :mod:`.lightning_indexer_host`. Its scores at the selected slots (the
-op ``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_selected_slots`,
+:mod:`.bwd`, the indexer's training target in :mod:`.indexer_target_kernel`, the lightning
+indexer's scores for every key in :mod:`.lightning_every_key` (bf16 / fp16, and float8_e4m3fn
+with its scales); each has its launcher (argument checks, compile key, kernel cache, launch) in
+:mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_target_host`,
+:mod:`.lightning_every_key_host`, which import the CuTe DSL only to compile a kernel that is not
+cached. Over long kv the backward first sorts each row's slots (:mod:`.rowsort`, launched by
+:mod:`.rowsort_host`). The lightning indexer's scores and top-k select are composed in
+:mod:`.lightning_indexer_host`. Its scores at the selected slots (the op
+``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_selected_slots`,
 launched by :mod:`.lightning_selected_slots_host`; the indexer loss's per-row KL and its gradient
 in :mod:`.kl`, launched by :mod:`.kl_host`."""
 
@@ -129,7 +130,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     """
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
-    from . import (bwd_host, fwd_host, indexer_host, kl_host, lightning_every_key_host,
+    from . import (bwd_host, fwd_host, indexer_target_host, kl_host, lightning_every_key_host,
                    lightning_selected_slots_host, rowsort_host, topk_host)
 
     compiled = {}
@@ -147,7 +148,7 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
         compiled.update(rowsort_host.precompile_sort(arch, topks=backward_topk,
                                                      topk_length=topk_length))
     if indexer_heads:
-        compiled.update(indexer_host.precompile_target(
+        compiled.update(indexer_target_host.precompile_target(
             arch, dtypes=dtypes, d_qk=d_qk, heads=indexer_heads, topk_length=topk_length,
             positions=indexer_positions))
     if lightning_heads:
@@ -174,12 +175,13 @@ def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, ou
 
 
 def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
-    """See :func:`mla_inductor.kernels.sm90.indexer_host.indexer_target` (``attn_sink`` is
+    """See :func:`mla_inductor.kernels.sm90.indexer_target_host.indexer_target` (``attn_sink`` is
     inside ``lse`` and not read)."""
-    from . import indexer_host
+    from . import indexer_target_host
 
     del attn_sink
-    return indexer_host.indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale)
+    return indexer_target_host.indexer_target(q, kv, indices, topk_length, q_positions, lse,
+                                              sm_scale)
 
 
 def lightning_indexer(q, k, weights, q_positions, topk, *, q_scale=None, k_scale=None):

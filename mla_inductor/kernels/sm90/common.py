@@ -1,8 +1,8 @@
-"""What the SM90 kernels (:mod:`.fwd`, :mod:`.bwd`, :mod:`.indexer`) share: the byte offsets
-of the 128-byte-swizzled tiles their producers fill with ``cp.async`` and the layouts and
-transposed views of such tiles that their wgmma operands take, the CuTe DSL
-target-architecture switch for compiling without a GPU, and the symbolic fake inputs the gather
-kernels compile against. It imports the CuTe DSL; what the launchers share is in :mod:`.host`.
+"""What the SM90 kernels (:mod:`.fwd`, :mod:`.bwd`, :mod:`.indexer_target_kernel`) share: the byte
+offsets of the 128-byte-swizzled tiles their producers fill with ``cp.async`` and the layouts and
+transposed views of such tiles that their wgmma operands take, the CuTe DSL target-architecture
+switch for compiling without a GPU, and the symbolic fake inputs the gather kernels compile against.
+It imports the CuTe DSL; what the launchers share is in :mod:`.host`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the SM90 launchers (:mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_host`) share
+"""What the SM90 launchers (:mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_target_host`) share
 with the kernels without the CuTe DSL: the natural-log / log2 constants, the forward's head
 tile, the dkv accumulator's interleave group, the host-side alignment and int32 form of inputs,
 and the one call through which a launcher compiles (and only then imports ``cutlass``).
@@ -53,7 +53,7 @@ def int32_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
 
 def compile_for_arch(kernel_module: str, compile_fn: str, key: tuple):
     """Compiles one kernel: ``compile_fn(*key[:-1])`` of the kernel module ``kernel_module``
-    (``"fwd"``, ``"bwd"``, ``"indexer"``), for the arch ``key[-1]`` (no GPU needed:
+    (``"fwd"``, ``"bwd"``, ``"indexer_target_kernel"``), for the arch ``key[-1]`` (no GPU needed:
     :func:`.common.target_arch`). Importing the kernel module imports the CuTe DSL; a launcher
     calls this only on a kernel cache miss (:class:`..cache.KernelCache`). Returns the compiled
     function (called with the launcher's tensors and a stream).

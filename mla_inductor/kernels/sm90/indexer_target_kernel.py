@@ -418,7 +418,7 @@ class IndexerTargetSm90:
 
 
 # ------------------------------------------------------------------------------------------------
-# compiling (the launcher is in indexer_host.py)
+# compiling (the launcher is in indexer_target_host.py)
 # ------------------------------------------------------------------------------------------------
 
 def compile_target(dtype_name: str, d_qk: int, tile_heads: int, has_topk_length: bool,

@@ -1,7 +1,7 @@
-"""Host side of the SM90 indexer target (the kernel is :mod:`.indexer`): argument checks, the
-head tile, output allocation, the static compile key, the kernel cache and the launch on torch's
-current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory, then
-disk) does not have, so a process whose disk cache is warm never imports it (see
+"""Host side of the SM90 indexer target (the kernel is :mod:`.indexer_target_kernel`): argument
+checks, the head tile, output allocation, the static compile key, the kernel cache and the launch on
+torch's current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory,
+then disk) does not have, so a process whose disk cache is warm never imports it (see
 :mod:`mla_inductor.kernels.cache`).
 """
 
@@ -42,7 +42,7 @@ def get_kernel(key: tuple):
     """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now
     for the key's arch (no GPU needed; only compiling imports the CuTe DSL:
     :func:`.host.compile_for_arch`)."""
-    return _CACHE.get(key, lambda: compile_for_arch("indexer", "compile_target", key))
+    return _CACHE.get(key, lambda: compile_for_arch("indexer_target_kernel", "compile_target", key))
 
 
 def precompile_target(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576,
@@ -67,7 +67,8 @@ def precompile_target(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: i
 
 
 def indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale):
-    """The indexer's training target on SM90 (the module docstring of :mod:`.indexer`).
+    """The indexer's training target on SM90 (the module docstring of
+    :mod:`.indexer_target_kernel`).
 
     Args:
         q: ``[T, H, d_qk]`` bf16/fp16 CUDA tensor, 1 <= H <= 128, d_qk 576 or 512.
