@@ -48,11 +48,10 @@ import torch
 
 from mla_inductor import backends, use_backend
 from mla_inductor.threads import cpu_threads, default_threads
+from mla_inductor.thresholds import EXACT_THRESHOLD, LAZY_THRESHOLD
 
 PEAKED_ALPHA = 0.25
 SELF_ATTENTION_BETA = 0.4
-LAZY_THRESHOLD = 8.0
-EXACT_THRESHOLD = 0.0
 _CHUNK_ELEMENTS = 1 << 23  # float64 elements alive per token chunk in the references
 
 

@@ -49,6 +49,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from ..thresholds import EXACT_THRESHOLD, LAZY_THRESHOLD
+
 INSTALL_HINT = "pip install 'mla-inductor[sm100]'"
 D_LATENT = 512  # FA4's hdim_v (qv / v width)
 D_ROPE = 64  # FA4's hdim (q / k width)
@@ -489,7 +491,7 @@ def precompile(
     topk: tuple[int, ...] = (2048,),
     d_qk: int = D_LATENT + D_ROPE,
     d_v: int = D_LATENT,
-    modes: tuple[tuple[float, bool], ...] = ((0.0, True), (8.0, False)),
+    modes: tuple[tuple[float, bool], ...] = ((EXACT_THRESHOLD, True), (LAZY_THRESHOLD, False)),
     compile_backward: bool = True,
     num_sms: int = 148,
 ) -> dict:

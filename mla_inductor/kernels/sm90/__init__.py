@@ -18,6 +18,8 @@ import importlib.util
 
 import torch
 
+from ...thresholds import EXACT_THRESHOLD, LAZY_THRESHOLD
+
 
 def available() -> tuple[bool, str]:
     """True only on a CUDA device of capability (9, 0) with nvidia-cutlass-dsl and
@@ -100,7 +102,8 @@ def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, 
 
 
 def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576, d_v: int = 512,
-               thresholds=(0.0, 8.0), o_lo=(False, True), topk_length=(False, True),
+               thresholds=(EXACT_THRESHOLD, LAZY_THRESHOLD), o_lo=(False, True),
+               topk_length=(False, True),
                backward_heads=(128,), backward_o_lo=(True,), backward_topk=(2048,),
                indexer_heads=(128,),
                indexer_positions=(False, True), lightning_heads=(),
