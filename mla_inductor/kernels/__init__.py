@@ -18,7 +18,7 @@ rescale_threshold, return_o_lo, return_max_logits) -> (out, lse, o_lo, max_logit
     empty slot is never read: no value of the row its index would name (NaN included) may reach
     a result. ``sm_scale`` float, ``d_v <= d_qk`` int, ``rescale_threshold`` float in log2 units
     (0.0 = exact running max; the op has checked it against
-    :data:`mla_inductor.validation.MAX_RESCALE_THRESHOLD`), ``return_o_lo`` and
+    :data:`mla_inductor.thresholds.MAX_RESCALE_THRESHOLD`), ``return_o_lo`` and
     ``return_max_logits`` bool.
     Returns contiguous ``out [T, H, d_v]`` in q's dtype, ``lse [T, H]`` float32 natural log,
     the sink included (a row with no valid slot: out 0, lse = its head's sink, -inf without
