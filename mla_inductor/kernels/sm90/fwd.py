@@ -114,7 +114,7 @@ import torch
 
 from ...thresholds import MAX_RESCALE_THRESHOLD
 from . import SUPPORTED_DIMS
-from .common import TORCH_TO_CUTE, fake_inputs, sw128_offset_bytes
+from .common import SMEM_LIMIT, TORCH_TO_CUTE, fake_inputs, sw128_offset_bytes
 from .host import FWD_TILE_H, LN2, LOG2E
 from .ptx import cp_async_4, cp_async_16, cp_async_wait_all, create_policy, st_global_v4_b32
 
@@ -130,7 +130,6 @@ BAR_P_A = 3  # A's P (rescaled to the final max) in shared memory
 BAR_P_B = 4  # B's P in shared memory
 BAR_EPILOGUE = 5  # partial row sums exchanged
 MAX_INIT = -1.0e30  # finite "minus infinity" of the running max: exp2(MAX_INIT - x) is 0, never NaN
-SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on SM90 (227 KiB)
 # q's torch dtype per CuTe dtype, for the bound on rescale_threshold
 _TORCH_DTYPE = {cute_dtype: getattr(torch, name) for name, cute_dtype in TORCH_TO_CUTE.items()}
 

@@ -194,7 +194,6 @@ TILE_KEYS = 64  # keys per block (wgmma M)
 STAGES = 8  # key blocks in the ring
 NUM_THREADS = 384
 REGS_PRODUCER, REGS_CONSUMER = 40, 232  # 40 + 2 x 232 = 3 x 168 (the launch allocation)
-SMEM_LIMIT = 227 * 1024
 W_PAD = 4  # floats of padding after each quad lane's row of weights (bank groups)
 BAR_TURN = 1  # named barriers BAR_TURN + role: "consumer `role` may issue its next block"
 BAR_CONSUMERS = 3  # named barrier of the two consumer warpgroups (the linear term's set-up)

@@ -101,7 +101,6 @@ BWD_STAGES = 4  # backward: 16 + 8 + 4 x 16 KiB (+ 1 KiB), two CTAs per SM
 FP16_DS_EXPONENT = 14  # float16 dS is scaled per row into [2**13, 2**14) at its largest
 TILE_BYTES = TILE_KEYS * D * 2  # one key block (and the Q tile) in shared memory
 DS_BYTES = TILE_KEYS * HEAD_TILE * 2  # the dS^T tile
-SMEM_LIMIT = 227 * 1024
 _K_STEPS = D // 16
 
 

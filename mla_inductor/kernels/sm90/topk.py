@@ -152,6 +152,7 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .common import SMEM_LIMIT
 from .ptx import _asm, ld_global_nc_b32, ld_shared_b32, st_global_b32
 
 BINS = 2048  # histogram bins (the widest digit, 11 bits)
@@ -164,7 +165,6 @@ SAMPLE = 8  # the guess samples one 16-byte vector in SAMPLE
 MIN_MARGIN = 256  # the guess aims at topk + max(topk / 4, MIN_MARGIN) candidates
 NEG_INF_BITS = -0x800000  # 0xff800000, -inf
 KEY_NEG_INF = NEG_INF_BITS ^ 0x7FFFFFFF  # order_key(-inf); keys below it are negative NaNs'
-SMEM_LIMIT = 227 * 1024
 
 
 # ------------------------------------------------------------------------------------------------
