@@ -14,6 +14,7 @@ pytest.importorskip("cutlass.cute")
 
 import mla_inductor  # noqa: E402
 from mla_inductor.kernels import sm90  # noqa: E402
+from mla_inductor.kernels.sm90 import host  # noqa: E402
 from mla_inductor.kernels.sm90.common import SMEM_LIMIT  # noqa: E402
 from mla_inductor.kernels.sm90 import lightning_selected_slots as lightning_scores  # noqa: E402
 from mla_inductor.kernels.sm90 import (  # noqa: E402
@@ -75,8 +76,8 @@ def test_two_ctas_fit_one_sm():
                    lightning_scores.LightningScoresBackwardSm90(BFloat16, False)):
         assert config.smem_bytes() <= SMEM_LIMIT
         assert 2 * (config.smem_bytes() + 1024) <= per_sm  # + the per-CTA reservation
-    assert lightning_scores.HEAD_TILE == sm90.LIGHTNING_MAX_HEADS
-    assert lightning_scores.D == sm90.LIGHTNING_D
+    assert lightning_scores.HEAD_TILE == host.LIGHTNING_MAX_HEADS
+    assert lightning_scores.D == host.LIGHTNING_D
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)

@@ -19,6 +19,8 @@ import importlib.util
 import torch
 
 from ...thresholds import EXACT_THRESHOLD, LAZY_THRESHOLD
+from .host import (INDEXER_D_QK, INDEXER_MAX_HEADS, LIGHTNING_D, LIGHTNING_MAX_HEADS,
+                   SUPPORTED_DIMS)
 
 
 def available() -> tuple[bool, str]:
@@ -38,19 +40,6 @@ def available() -> tuple[bool, str]:
         if not found:
             return False, f"sm90: {package} not installed (no module named {module!r})"
     return True, ""
-
-
-SUPPORTED_DIMS = ((576, 512), (512, 512))  # (d_qk, d_v)
-
-
-INDEXER_D_QK = (576, 512)
-INDEXER_TILE_HEADS = (64, 128)  # the indexer kernel's wgmma N: the heads of one token, padded
-INDEXER_MAX_HEADS = INDEXER_TILE_HEADS[-1]
-
-LIGHTNING_D = 128  # the lightning indexer's head dim
-LIGHTNING_HEAD_TILES = (16, 32, 64)  # its score kernel's heads per token, padded
-LIGHTNING_TILE_N = 256  # its wgmma N: tokens x head tile
-LIGHTNING_MAX_HEADS = LIGHTNING_HEAD_TILES[-1]
 
 
 def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tuple[bool, str]:

@@ -14,9 +14,10 @@ import functools
 import torch
 
 from ..cache import KernelCache
-from . import SUPPORTED_DIMS, rowsort_host
+from . import rowsort_host
 from .host import DKV_GROUP as _GROUP
-from .host import compile_for_arch, contiguous_aligned, fixed_point_scale_for, int32_contiguous
+from .host import (SUPPORTED_DIMS, compile_for_arch, contiguous_aligned, fixed_point_scale_for,
+                   int32_contiguous)
 
 _CACHE = KernelCache("mla_sm90_bwd")
 

@@ -113,9 +113,8 @@ from cutlass.utils import LayoutEnum
 import torch
 
 from ...thresholds import MAX_RESCALE_THRESHOLD
-from . import SUPPORTED_DIMS
 from .common import SMEM_LIMIT, TORCH_TO_CUTE, fake_inputs, sw128_offset_bytes
-from .host import FWD_TILE_H, LN2, LOG2E
+from .host import FWD_TILE_H, LN2, LOG2E, SUPPORTED_DIMS
 from .ptx import cp_async_4, cp_async_16, cp_async_wait_all, create_policy, st_global_v4_b32
 
 TILE_H = FWD_TILE_H  # heads per tile (wgmma M)

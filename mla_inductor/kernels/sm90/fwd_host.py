@@ -12,8 +12,7 @@ import functools
 import torch
 
 from ..cache import KernelCache
-from . import SUPPORTED_DIMS
-from .host import (FWD_TILE_H, LOG2E, compile_for_arch, contiguous_aligned,
+from .host import (FWD_TILE_H, LOG2E, SUPPORTED_DIMS, compile_for_arch, contiguous_aligned,
                    int32_contiguous)
 
 _CACHE = KernelCache("mla_sm90_fwd")

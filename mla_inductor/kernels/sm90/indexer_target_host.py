@@ -12,8 +12,8 @@ import math
 import torch
 
 from ..cache import KernelCache
-from . import INDEXER_D_QK as D_QK
-from . import INDEXER_TILE_HEADS as TILE_HEADS
+from .host import INDEXER_D_QK as D_QK
+from .host import INDEXER_TILE_HEADS as TILE_HEADS
 from .host import LOG2E, compile_for_arch, contiguous_aligned, int32_contiguous
 
 _CACHE = KernelCache("mla_sm90_indexer_target")

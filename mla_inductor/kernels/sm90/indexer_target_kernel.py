@@ -90,8 +90,8 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from . import INDEXER_D_QK as D_QK
-from . import INDEXER_TILE_HEADS as TILE_HEADS
+from .host import INDEXER_D_QK as D_QK
+from .host import INDEXER_TILE_HEADS as TILE_HEADS
 from .common import SMEM_LIMIT, TORCH_TO_CUTE, fake_inputs, sw128_offset_bytes
 from .host import LOG2E
 from .ptx import cp_async_16, cp_async_wait_all, create_policy

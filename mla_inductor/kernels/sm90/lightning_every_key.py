@@ -182,9 +182,9 @@ from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int32, Int64, cons
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from . import LIGHTNING_D as D
-from . import LIGHTNING_HEAD_TILES as HEAD_TILES
-from . import LIGHTNING_TILE_N as TILE_N
+from .host import LIGHTNING_D as D
+from .host import LIGHTNING_HEAD_TILES as HEAD_TILES
+from .host import LIGHTNING_TILE_N as TILE_N
 from .common import SWIZZLE_CHUNK_ROWS, TORCH_TO_CUTE, sw128_offset_bytes
 from .ptx import (cp_async_4, cp_async_16, cp_async_wait_all, create_policy, e4m3x2_from_f32,
                   f32_bits, f32_from_bits, f32_from_e4m3, ld_shared_b32, max_nan, relu_nan,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from ..cache import KernelCache
-from . import LIGHTNING_D as D
-from . import LIGHTNING_HEAD_TILES as HEAD_TILES
-from . import LIGHTNING_TILE_N as TILE_N
+from .host import LIGHTNING_D as D
+from .host import LIGHTNING_HEAD_TILES as HEAD_TILES
+from .host import LIGHTNING_TILE_N as TILE_N
 from .host import compile_for_arch
 
 _CACHE = KernelCache("mla_sm90_lightning_scores")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import LIGHTNING_D as D
+from .host import LIGHTNING_D as D
 from .host import contiguous_aligned
 from .lightning_every_key_host import scores as score_chunk
 from .lightning_every_key_host import tokens_per_tile

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..cache import KernelCache
-from . import LIGHTNING_D as D
-from . import LIGHTNING_MAX_HEADS as MAX_HEADS
+from .host import LIGHTNING_D as D
+from .host import LIGHTNING_MAX_HEADS as MAX_HEADS
 from .bwd_host import dkv_from_accum
 from .host import compile_for_arch, contiguous_aligned, fixed_point_scale_for
 
