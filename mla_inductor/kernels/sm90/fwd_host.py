@@ -45,7 +45,8 @@ def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, retur
         indices: ``[T, topk]`` int32; values < 0 or >= S are empty slots (never read).
         topk_length: ``[T]`` int32 or None; slots at positions >= topk_length[t] are empty.
         sm_scale: softmax scale (float). d_v: 512. rescale_threshold: 0.0 (exact running max)
-            or a lazy threshold in log2 units (< 127 for bf16, < 15 for fp16).
+            or a lazy threshold in log2 units, below q's dtype's bound in
+            :data:`mla_inductor.thresholds.MAX_RESCALE_THRESHOLD`.
         return_o_lo: also return ``o_lo = float32(O) - out`` rounded to q's dtype.
         q_positions: ``[T]`` int32 or None; when given (causal masking), a slot whose index is
             greater than ``q_positions[t]`` is empty.
