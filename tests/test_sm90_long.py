@@ -92,7 +92,7 @@ def _fp64_dkv_rows(q, kv, indices, dout, rows, sm_scale, chunk=128):
 
 
 def _forward(q, kv, indices, sm_scale):
-    return fwd_host.forward(q, kv, indices, None, sm_scale, D_V, 0.0, True)[:3]
+    return fwd_host.forward(q, kv, indices, None, None, None, sm_scale, D_V, 0.0, True)[:3]
 
 
 def _near_floor(x, ref):

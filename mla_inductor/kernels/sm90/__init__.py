@@ -19,8 +19,21 @@ import importlib.util
 import torch
 
 from ...thresholds import EXACT_THRESHOLD, LAZY_THRESHOLD
+from . import (bwd_host, fwd_host, indexer_target_host, kl_host, lightning_every_key_host,
+               lightning_selected_slots_host, rowsort_host, topk_host)
 from .host import (INDEXER_D_QK, INDEXER_MAX_HEADS, LIGHTNING_D, LIGHTNING_MAX_HEADS,
                    SUPPORTED_DIMS)
+
+# The backend protocol's kernel functions (:mod:`mla_inductor.kernels`): the launchers take
+# its argument order.
+from .bwd_host import backward
+from .fwd_host import forward
+from .indexer_target_host import indexer_target
+from .kl_host import backward as indexer_kl_bwd
+from .kl_host import forward as indexer_kl
+from .lightning_indexer_host import lightning_indexer
+from .lightning_selected_slots_host import backward as lightning_indexer_scores_bwd
+from .lightning_selected_slots_host import forward as lightning_indexer_scores
 
 
 def available() -> tuple[bool, str]:
@@ -80,15 +93,6 @@ def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tupl
     return True, ""
 
 
-def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, rescale_threshold,
-            return_o_lo, return_max_logits):
-    """See :func:`mla_inductor.kernels.sm90.fwd_host.forward`."""
-    from . import fwd_host
-
-    return fwd_host.forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold,
-                            return_o_lo, q_positions=q_positions, attn_sink=attn_sink,
-                            return_max_logits=return_max_logits)
-
 
 def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576, d_v: int = 512,
                thresholds=(EXACT_THRESHOLD, LAZY_THRESHOLD), o_lo=(False, True),
@@ -122,9 +126,6 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     """
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
-    from . import (bwd_host, fwd_host, indexer_target_host, kl_host, lightning_every_key_host,
-                   lightning_selected_slots_host, rowsort_host, topk_host)
-
     compiled = {}
     for dtype in dtypes:
         for threshold in thresholds:
@@ -154,62 +155,3 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     if indexer_kl:
         compiled.update(kl_host.precompile_kl(arch))
     return compiled
-
-
-def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
-             sm_scale, d_v, deterministic=False):
-    """See :func:`mla_inductor.kernels.sm90.bwd_host.backward`."""
-    from . import bwd_host
-
-    return bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v,
-                             q_positions=q_positions, attn_sink=attn_sink, dlse=dlse,
-                             deterministic=deterministic)
-
-
-def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
-    """See :func:`mla_inductor.kernels.sm90.indexer_target_host.indexer_target` (``attn_sink`` is
-    inside ``lse`` and not read)."""
-    from . import indexer_target_host
-
-    del attn_sink
-    return indexer_target_host.indexer_target(q, kv, indices, topk_length, q_positions, lse,
-                                              sm_scale)
-
-
-def lightning_indexer(q, k, weights, q_positions, topk, *, q_scale=None, k_scale=None):
-    """See :func:`mla_inductor.kernels.sm90.lightning_indexer_host.lightning_indexer` (the fp8
-    scales with float8_e4m3fn q and k)."""
-    from . import lightning_indexer_host
-
-    return lightning_indexer_host.lightning_indexer(q, k, weights, q_positions, topk,
-                                                    q_scale=q_scale, k_scale=k_scale)
-
-
-def lightning_indexer_scores(q, k, weights, indices):
-    """See :func:`mla_inductor.kernels.sm90.lightning_selected_slots_host.forward`."""
-    from . import lightning_selected_slots_host
-
-    return lightning_selected_slots_host.forward(q, k, weights, indices)
-
-
-def lightning_indexer_scores_bwd(dscores, q, k, weights, indices, deterministic=False):
-    """See :func:`mla_inductor.kernels.sm90.lightning_selected_slots_host.backward`; dk in 64-bit
-    fixed point (bitwise reproducible) with ``deterministic``."""
-    from . import lightning_selected_slots_host
-
-    return lightning_selected_slots_host.backward(dscores, q, k, weights, indices,
-                                          deterministic=deterministic)
-
-
-def indexer_kl(logits, target, indices, hi, length):
-    """See :func:`mla_inductor.kernels.sm90.kl_host.forward`."""
-    from . import kl_host
-
-    return kl_host.forward(logits, target, indices, hi, length)
-
-
-def indexer_kl_bwd(dkl, logits, target, indices, hi, length, lse, tsum):
-    """See :func:`mla_inductor.kernels.sm90.kl_host.backward`."""
-    from . import kl_host
-
-    return kl_host.backward(dkl, logits, target, indices, hi, length, lse, tsum)

@@ -218,15 +218,16 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     return dq
 
 
-def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, *,
-             q_positions=None, attn_sink=None, dlse=None, deterministic=False, sort_rows=None):
-    """The whole SM90 backward: returns ``(dq, dkv, d_sink)``, ``dq [T, H, d_qk]`` in q's dtype,
-    ``dkv [S, d_qk]`` in kv's dtype (fp32 accumulation, empty slots never written) and, when
-    ``attn_sink [H]`` float32 is given, ``d_sink [H]`` float32 ``= -sum_t exp(sink - lse) *
-    (dpsum - dlse)`` (else None). Inputs as :func:`backward_into`. With ``deterministic``, dkv
-    is accumulated in 64-bit fixed point (:func:`fixed_point_scale`) instead of with float32
-    atomics, so that it is bitwise the same in every run (dq and d_sink always are: no
-    atomics); the accumulator then takes ``S * d_qk * 8`` bytes instead of 4.
+def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
+             sm_scale, d_v, deterministic=False, *, sort_rows=None):
+    """The whole SM90 backward, in the backend protocol's argument order: returns ``(dq, dkv,
+    d_sink)``, ``dq [T, H, d_qk]`` in q's dtype, ``dkv [S, d_qk]`` in kv's dtype (fp32 accumulation,
+    empty slots never written) and, when ``attn_sink [H]`` float32 is given, ``d_sink [H]`` float32
+    ``= -sum_t exp(sink - lse) * (dpsum - dlse)`` (else None). Inputs as :func:`backward_into`
+    (``dlse``, ``q_positions`` and ``attn_sink`` may be None; ``sort_rows`` keyword-only). With
+    ``deterministic``, dkv is accumulated in 64-bit fixed point (:func:`fixed_point_scale`) instead
+    of with float32 atomics, so that it is bitwise the same in every run (dq and d_sink always are:
+    no atomics); the accumulator then takes ``S * d_qk * 8`` bytes instead of 4.
 
     Raises:
         ValueError: as :func:`backward_into`.

@@ -66,9 +66,9 @@ def precompile_target(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: i
     return compiled
 
 
-def indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale):
+def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
     """The indexer's training target on SM90 (the module docstring of
-    :mod:`.indexer_target_kernel`).
+    :mod:`.indexer_target_kernel`), in the backend protocol's argument order.
 
     Args:
         q: ``[T, H, d_qk]`` bf16/fp16 CUDA tensor, 1 <= H <= 128, d_qk 576 or 512.
@@ -77,6 +77,7 @@ def indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale):
         topk_length: ``[T]`` int32 or None; slots at positions >= topk_length[t] are empty.
         q_positions: ``[T]`` int32 or None; a slot whose index is greater than
             ``q_positions[t]`` is empty.
+        attn_sink: not read: the sink is inside ``lse``.
         lse: ``[T, H]`` float32, the forward's natural-log lse (the sink included).
         sm_scale: the forward's softmax scale (float).
 
@@ -87,6 +88,7 @@ def indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale):
         ValueError / TypeError: unsupported shapes, head counts, widths, device or dtypes.
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
+    del attn_sink
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2 or lse.dim() != 2:
         raise ValueError("sparse_mla: sm90 indexer target needs q [T, H, d_qk], kv [S, d_qk], "
                          "indices [T, topk], lse [T, H]")
