@@ -1,5 +1,5 @@
-"""Our Hopper (SM90a) sparse-MLA kernels, written in CuTe DSL (backend protocol of
-:mod:`mla_inductor.kernels`). The forward's kernel is in :mod:`.fwd`, the backward's in
+"""Our Hopper (SM90a) sparse-MLA kernels, written in CuTe DSL (the backend protocol,
+:class:`mla_inductor.backends.Backend`). The forward's kernel is in :mod:`.fwd`, the backward's in
 :mod:`.bwd`, the indexer's training target in :mod:`.indexer_target_kernel`, the lightning
 indexer's scores for every key in :mod:`.lightning_every_key` (bf16 / fp16, and float8_e4m3fn
 with its scales); each has its launcher (argument checks, compile key, kernel cache, launch) in
@@ -24,8 +24,8 @@ from . import (bwd_host, fwd_host, indexer_target_host, kl_host, lightning_every
 from .host import (INDEXER_D_QK, INDEXER_MAX_HEADS, LIGHTNING_D, LIGHTNING_MAX_HEADS,
                    SUPPORTED_DIMS)
 
-# The backend protocol's kernel functions (:mod:`mla_inductor.kernels`): the launchers take
-# its argument order.
+# The backend protocol's kernel functions (:class:`mla_inductor.backends.Backend`): the
+# launchers take its argument order.
 from .bwd_host import backward
 from .fwd_host import forward
 from .indexer_target_host import indexer_target
