@@ -64,7 +64,7 @@ def int32_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
 
 def compile_for_arch(kernel_module: str, compile_fn: str, key: tuple):
     """Compiles one kernel: ``compile_fn(*key[:-1])`` of the kernel module ``kernel_module``
-    (``"fwd"``, ``"bwd"``, ``"indexer_target_kernel"``), for the arch ``key[-1]`` (no GPU needed:
+    (a module of this package: ``"fwd"``, ``"bwd"``, ...), for the arch ``key[-1]`` (no GPU needed:
     :func:`.common.target_arch`). Importing the kernel module imports the CuTe DSL; a launcher
     calls this only on a kernel cache miss (:class:`..cache.KernelCache`). Returns the compiled
     function (called with the launcher's tensors and a stream).
