@@ -126,14 +126,9 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     """
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
-    compiled = {}
-    for dtype in dtypes:
-        for threshold in thresholds:
-            for with_o_lo in o_lo:
-                for with_len in topk_length:
-                    key = fwd_host.compile_key(dtype, d_qk, d_v, threshold, with_o_lo, with_len,
-                                               arch)
-                    compiled[key] = fwd_host.get_kernel(key)
+    compiled = fwd_host.precompile_forward(arch, dtypes=dtypes, d_qk=d_qk, d_v=d_v,
+                                           thresholds=thresholds, o_lo=o_lo,
+                                           topk_length=topk_length)
     if backward_heads:
         compiled.update(bwd_host.precompile_backward(
             arch, dtypes=dtypes, heads=backward_heads, d_qk=d_qk, d_v=d_v, topk_length=topk_length,

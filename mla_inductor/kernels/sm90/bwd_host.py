@@ -10,6 +10,7 @@ the sort in :mod:`.rowsort_host`). It imports the CuTe DSL only to compile a ker
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -110,17 +111,11 @@ def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads
     if arch != "sm_90a":
         raise ValueError(f"sm90 backward: cannot compile for {arch!r}; use 'sm_90a'")
     compiled = {}
-    for dtype in dtypes:
-        for h in heads:
-            for with_len in topk_length:
-                for with_o_lo in o_lo:
-                    for evict_first in gather_evict_first:
-                        for det in deterministic:
-                            for sink in attn_sink:
-                                key = compile_key(dtype, h, d_qk, d_v, with_len, with_o_lo, arch,
-                                                  gather_evict_first=evict_first,
-                                                  deterministic=det, has_sink=sink)
-                                compiled[key] = get_kernel(key)
+    for dtype, h, with_len, with_o_lo, evict_first, det, sink in itertools.product(
+            dtypes, heads, topk_length, o_lo, gather_evict_first, deterministic, attn_sink):
+        key = compile_key(dtype, h, d_qk, d_v, with_len, with_o_lo, arch,
+                          gather_evict_first=evict_first, deterministic=det, has_sink=sink)
+        compiled[key] = get_kernel(key)
     return compiled
 
 

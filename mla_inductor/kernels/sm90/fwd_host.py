@@ -8,9 +8,11 @@ does not have, so a process whose disk cache is warm never imports it (see
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
+from ...thresholds import EXACT_THRESHOLD, LAZY_THRESHOLD
 from ..cache import KernelCache
 from .host import (FWD_TILE_H, LOG2E, SUPPORTED_DIMS, compile_for_arch, contiguous_aligned,
                    int32_contiguous)
@@ -33,6 +35,26 @@ def get_kernel(key: tuple):
     for the key's arch (no GPU needed; only compiling imports the CuTe DSL:
     :func:`.host.compile_for_arch`)."""
     return _CACHE.get(key, lambda: compile_for_arch("fwd", "compile_forward", key))
+
+
+def precompile_forward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576,
+                       d_v: int = 512, thresholds=(EXACT_THRESHOLD, LAZY_THRESHOLD),
+                       o_lo=(False, True), topk_length=(False, True)) -> dict:
+    """Compiles the forward kernel for ``arch`` without a GPU, for every combination of
+    ``dtypes`` x ``thresholds`` x ``o_lo`` x ``topk_length``; returns ``{compile_key: fn}``
+    (also cached).
+
+    Raises:
+        ValueError: for an arch other than ``sm_90a``.
+    """
+    if arch != "sm_90a":
+        raise ValueError(f"sm90 forward: cannot compile for {arch!r}; use 'sm_90a'")
+    compiled = {}
+    for dtype, threshold, with_o_lo, with_len in itertools.product(dtypes, thresholds, o_lo,
+                                                                   topk_length):
+        key = compile_key(dtype, d_qk, d_v, threshold, with_o_lo, with_len, arch)
+        compiled[key] = get_kernel(key)
+    return compiled
 
 
 def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, rescale_threshold,
