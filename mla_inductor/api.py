@@ -106,7 +106,7 @@ def sparse_mla(
             requires grad. The definition of FlashMLA's and cuDNN's ``attn_sink``.
         rescale_threshold: online-softmax lazy-rescale threshold in log2 units, a Python float:
             finite, ``>= 0`` and below 15 for float16, 64 for bfloat16 / float32. ``None`` (the
-            default) lets :mod:`mla_inductor.policy` decide at graph capture: 0.0 (exact running
+            default) lets :mod:`mla_inductor.threshold_policy` decide at graph capture: 0.0 (exact running
             max) when a backward consumes the forward, 8.0 otherwise.
         return_lse: also return the log-sum-exp (differentiable: a gradient through it, e.g.
             from merging partial attention results, reaches q, kv and the sink).

@@ -5,7 +5,7 @@
   CompositeImplicitAutograd, in any layout of :mod:`mla_inductor.layout`. Dynamo
   keeps it as one node (its checks, :mod:`mla_inductor.validation`, raise while Dynamo
   propagates FakeTensors through it); AOTAutograd (and eager) decompose it, flattening the layout
-  and resolving ``rescale_threshold=None`` through :mod:`mla_inductor.policy` while the training
+  and resolving ``rescale_threshold=None`` through :mod:`mla_inductor.threshold_policy` while the training
   or the inference graph is traced, into
 - ``sparse_mla_fwd(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v,
   rescale_threshold, return_o_lo, return_max_logits) -> (out, lse, o_lo, max_logits)`` and its
@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, layout, lowering, policy
+from . import backends, layout, lowering, threshold_policy
 from .validation import (
     check_backward_inputs,
     check_dlse,
@@ -264,7 +264,7 @@ def _sparse_mla(q, kv, indices, topk_length, q_positions, attn_sink, causal, sm_
         check_rescale_threshold(rescale_threshold, q.dtype)
     attn_sink = sink_in_float32(attn_sink)
     flat = layout.flatten(q, kv, indices, topk_length, causal, q_positions)
-    decision = policy.decide(q, kv, rescale_threshold, attn_sink)
+    decision = threshold_policy.decide(q, kv, rescale_threshold, attn_sink)
     out, lse, _, max_logits = torch.ops.mla_inductor.sparse_mla_fwd(
         flat.q,
         flat.kv,

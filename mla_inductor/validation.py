@@ -18,17 +18,13 @@ import torch.autograd.forward_ad as fwAD
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
+from .thresholds import MAX_RESCALE_THRESHOLD
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The lightning indexer also takes q and k in fp8 (e4m3, with per-row scales: the indexer of
 # DeepSeek-V3.2-Exp's inference code).
 FP8 = torch.float8_e4m3fn
 INDEX_DTYPES = (torch.int32, torch.int64)
-# Exclusive upper bound of rescale_threshold (log2 units) per dtype of q. The lazy rescale lets
-# p = exp2(s - stale max) reach 2**threshold, and p is rounded to q's dtype for the P.V product:
-# float16 tops out at 65504 < 2**16 (the SM90 kernel takes < 15). bfloat16 and float32 reach
-# 2**128, but p also enters fp32 row sums and outputs over up to 2**31 slots of values up to
-# 2**32: below 2**64 they cannot overflow.
-MAX_RESCALE_THRESHOLD = {torch.float16: 15.0, torch.bfloat16: 64.0, torch.float32: 64.0}
 # attn_sink may come in the model's dtype (a model cast with ``.to(torch.bfloat16)``); the entry
 # ops bring it to float32 (:func:`sink_in_float32`), in which the softmax runs.
 SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -251,7 +247,7 @@ def check_lse(lse: torch.Tensor, q: torch.Tensor) -> None:
 
 def check_rescale_threshold(rescale_threshold: float, dtype: torch.dtype) -> None:
     """Checks ``rescale_threshold`` (log2 units) for q's ``dtype``: finite, ``>= 0`` and below
-    :data:`MAX_RESCALE_THRESHOLD` (``0.0`` is the exact running max).
+    :data:`mla_inductor.thresholds.MAX_RESCALE_THRESHOLD` (``0.0`` is the exact running max).
 
     Raises:
         RuntimeError: for NaN, inf, a negative value or one at or above the dtype's bound.

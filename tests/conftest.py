@@ -20,6 +20,8 @@ def no_graph_break():
     breaks = sum(counters["graph_break"].values()) - before
     assert breaks == 0, f"{breaks} graph break(s): {dict(counters['graph_break'])}"
 
+from mla_inductor.accuracy import rel_l2  # noqa: F401  (the tests' metric, shared with the package)
+
 
 def reference_sparse_mla_fp64(q, kv, indices, topk_length=None, sm_scale=None, d_v=512, *,
                               q_positions=None, attn_sink=None, return_max_logits=False):
@@ -63,11 +65,6 @@ def reference_sparse_mla_fp64(q, kv, indices, topk_length=None, sm_scale=None, d
     if return_max_logits:
         return out, lse, s.detach().amax(dim=-1)
     return out, lse
-
-
-def rel_l2(x, ref):
-    x, ref = x.double(), ref.double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
 def assert_compiled_matches_eager(module, run, tol=1e-6):

@@ -141,3 +141,29 @@ def test_use_backend_inside_a_compiled_function_is_refused_by_name():
     with pytest.raises(Exception, match=r"sparse_mla: use_backend\(\) cannot be entered inside a "
                                         r"compiled function; enter it around the call"):
         torch.compile(f, backend="eager", fullgraph=True)(q, kv, idx)
+
+
+@pytest.mark.parametrize("name", ["reference", "emulate", "sm90", "sm100"])
+def test_every_backend_meets_the_protocol(name):
+    """Each backend module has :data:`backends.REQUIRED`, and each member of
+    :class:`backends.Backend` it has takes the protocol's arguments in the protocol's order (more
+    only as keywords with defaults)."""
+    import inspect
+
+    try:
+        module = backends.module(name)
+    except ImportError as error:
+        pytest.skip(f"the {name} backend cannot be imported here: {error}")
+    assert all(callable(getattr(module, member, None)) for member in backends.REQUIRED)
+    members = [m for m in vars(backends.Backend) if not m.startswith("_")]
+    assert set(backends.REQUIRED) < set(members)
+    for member in members:
+        if not hasattr(module, member):
+            continue
+        want = [p for p in inspect.signature(getattr(backends.Backend, member)).parameters.values()
+                if p.name != "self" and p.kind != p.VAR_KEYWORD]  # **static_config: keywords
+        got = list(inspect.signature(getattr(module, member)).parameters.values())
+        assert [p.name for p in got[:len(want)]] == [p.name for p in want], (name, member)
+        assert [p.kind for p in got[:len(want)]] == [p.kind for p in want], (name, member)
+        assert all(p.kind == p.KEYWORD_ONLY and p.default is not p.empty for p in got[len(want):]
+                   if p.kind != p.VAR_KEYWORD), (name, member)

@@ -11,12 +11,12 @@ One set of checks, two variants (:class:`Setup`):
   d_v 512, S 512, topk 256 with empty slots and future keys), the sm90 backend; marked ``cuda``
   and skipped, with the reason, elsewhere. Each single-process result is computed on the rank's
   own GPU. out, lse, max_logits, dq and the indexer target must be **bitwise** equal: in the
-  sm90 kernels one CTA computes each tile (one token x 64 heads) from that token's q, indices
-  and positions and the whole kv (``kernels/sm90/fwd.py``, ``bwd.py``: dq leaves the CTA from
-  registers; ``indexer.py``: one CTA per token with all its heads), the forward's compile key
-  has no head count, the backward's static head count only masks heads >= H, so sharding heads
-  in whole tiles or tokens (kv replicated or all-gathered, a bitwise copy) gives every CTA the
-  same work. dkv sums fp32 atomics (their order varies from run to run) and is rounded to bf16
+  sm90 kernels one CTA computes each tile (one token x 64 heads) from that token's q, indices and
+  positions and the whole kv (``kernels/sm90/fwd.py``, ``bwd.py``: dq leaves the CTA from registers;
+  ``indexer_target_kernel.py``: one CTA per token with all its heads), the forward's compile key has
+  no head count, the backward's static head count only masks heads >= H, so sharding heads in whole
+  tiles or tokens (kv replicated or all-gathered, a bitwise copy) gives every CTA the same work. dkv
+  sums fp32 atomics (their order varies from run to run) and is rounded to bf16
   per rank before the sum over the ranks: see :func:`_assert_dkv`; d_sink sums float32 terms in
   another order: :func:`_assert_d_sink`; training losses: :func:`_assert_losses`.
 

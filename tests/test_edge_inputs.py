@@ -195,7 +195,7 @@ def test_a_nan_sink_is_not_hidden(backend, fp64_reference):
 def test_indexer_target_with_a_large_sink_matches_fp64(backend, sink_value):
     """Every ``exp(s - lse)`` is near ``exp(-sink)``, below float32's normal range; the target
     is normalised, so it must still be exact to float32 rounding."""
-    from test_indexer import SCALE, target_fp64
+    from test_indexer_target import SCALE, target_fp64
 
     g = torch.Generator().manual_seed(3)
     q, kv = torch.randn(5, 3, 16, generator=g), torch.randn(9, 16, generator=g)
@@ -218,14 +218,14 @@ def test_indexer_target_with_a_large_sink_matches_fp64(backend, sink_value):
 
 
 def test_sm90_indexer_shift_keeps_the_kernels_terms_normal():
-    """The SM90 launcher's lse shift (``indexer_host.shifted_lse``) with the kernel's arithmetic
+    """The SM90 launcher's lse shift (``indexer_target_host.shifted_lse``) with the kernel's arithmetic
     written out in float32 (``exp2(s * scale * log2 e - lse' * log2 e)``, summed over heads,
     divided by the row sum) gives the fp64 target for a sink of 100, where the unshifted lse
     loses bits to subnormals; the terms cannot overflow (each at most ``2**(126 - log2(topk
     * tile_heads))``)."""
-    from test_indexer import SCALE, target_fp64
+    from test_indexer_target import SCALE, target_fp64
 
-    from mla_inductor.kernels.sm90.indexer_host import shifted_lse
+    from mla_inductor.kernels.sm90.indexer_target_host import shifted_lse
 
     g = torch.Generator().manual_seed(4)
     q, kv = torch.randn(5, 2, 16, generator=g), torch.randn(9, 16, generator=g)
@@ -252,7 +252,7 @@ def test_sm90_indexer_shift_keeps_the_kernels_terms_normal():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sm90_indexer_target_with_a_large_sink_matches_fp64():
-    from test_indexer import SCALE, target_fp64
+    from test_indexer_target import SCALE, target_fp64
 
     g = torch.Generator().manual_seed(5)
     q = torch.randn(8, 16, 576, generator=g).bfloat16()

@@ -158,7 +158,7 @@ import sys
 from unittest import mock
 import torch
 from mla_inductor.kernels import cache, sm90
-from mla_inductor.kernels.sm90 import bwd_host, fwd_host, host, indexer_host
+from mla_inductor.kernels.sm90 import bwd_host, fwd_host, host, indexer_target_host
 with mock.patch.object(torch.cuda, "is_available", lambda: True), \\
         mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (9, 0)):
     print(sm90.available())
@@ -203,13 +203,13 @@ q, kv, indices, dout, out, lse, o_lo, dq, dkv = torch.load(sys.argv[1])
 side = torch.cuda.Stream()
 side.wait_stream(torch.cuda.current_stream())
 with torch.cuda.stream(side):
-    got = fwd_host.forward(q, kv, indices, None, 576**-0.5, 512, 0.0, True)
-    got_dq, got_dkv, _ = bwd_host.backward(dout, q, kv, indices, None, out, lse, o_lo, 576**-0.5,
-                                           512)
+    got = fwd_host.forward(q, kv, indices, None, None, None, 576**-0.5, 512, 0.0, True)
+    got_dq, got_dkv, _ = bwd_host.backward(dout, None, q, kv, indices, None, None, None, out, lse,
+                                           o_lo, 576**-0.5, 512)
 torch.cuda.current_stream().wait_stream(side)
 graph = torch.cuda.CUDAGraph()
 with torch.cuda.graph(graph):
-    in_graph = fwd_host.forward(q, kv, indices, None, 576**-0.5, 512, 0.0, True)
+    in_graph = fwd_host.forward(q, kv, indices, None, None, None, 576**-0.5, 512, 0.0, True)
 graph.replay()
 torch.cuda.synchronize()
 print(all(torch.equal(a, b) for a, b in zip((out, lse, o_lo), got[:3])))
@@ -242,8 +242,10 @@ def test_kernels_loaded_from_their_libraries_run_on_the_current_stream_and_in_a_
     kv = torch.randn(S, 576, device="cuda", generator=g).bfloat16()
     indices = torch.randint(0, S, (T, topk), device="cuda", generator=g, dtype=torch.int32)
     dout = torch.randn(T, H, 512, device="cuda", generator=g).bfloat16()
-    out, lse, o_lo, _ = fwd_host.forward(q, kv, indices, None, 576**-0.5, 512, 0.0, True)
-    dq, dkv, _ = bwd_host.backward(dout, q, kv, indices, None, out, lse, o_lo, 576**-0.5, 512)
+    out, lse, o_lo, _ = fwd_host.forward(q, kv, indices, None, None, None, 576**-0.5, 512, 0.0,
+                                         True)
+    dq, dkv, _ = bwd_host.backward(dout, None, q, kv, indices, None, None, None, out, lse, o_lo,
+                                   576**-0.5, 512)
     assert len(list(disk.rglob("*.so"))) == 2  # the forward's and the backward's
     saved = tmp_path / "case.pt"
     torch.save((q, kv, indices, dout, out, lse, o_lo, dq, dkv), saved)

@@ -27,9 +27,10 @@ def _modules() -> dict[str, pathlib.Path]:
 
 
 def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
-    """The package modules ``name`` imports: ``from a import b`` counts as ``a.b`` when that is a
-    module, else as ``a``. A module's own ancestor packages are left out: Python imports them
-    before the module anyway, so ``from . import X`` in a submodule closes no circle."""
+    """The package modules ``name`` imports, at the top or inside a function: ``from a import b``
+    counts as ``a.b`` when that is a module, else as ``a``. Its own ancestor packages count too:
+    a submodule that takes a name from its package (``from . import X``, X not a module) closes a
+    circle with the package that imports it."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -43,7 +44,7 @@ def _imports(name: str, path: pathlib.Path, modules) -> set[str]:
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 found.add(full if full in modules else base)
-    return {m for m in found if m in modules and m != name and not name.startswith(m + ".")}
+    return {m for m in found if m in modules and m != name}
 
 
 def _graph():
@@ -60,6 +61,21 @@ def test_graph_is_read_from_the_source():
     assert "mla_inductor.custom_ops" in graph["mla_inductor.api"]
     assert "mla_inductor.bench.timing" in graph["mla_inductor.bench.fwd"]
     assert "mla_inductor.kernels.reference" in graph["mla_inductor.kernels.emulate"]
+    # inside a function
+    lazy = graph["mla_inductor.kernels.sm90.lightning_indexer_host"]
+    assert "mla_inductor.kernels.sm90.topk_host" in lazy
+
+
+def test_a_name_taken_from_the_own_package_counts(tmp_path):
+    """``from . import X`` (X a name, not a module) and ``from .. import Y`` inside a function are
+    arrows to the ancestor packages."""
+    path = tmp_path / "child.py"
+    path.write_text("from . import LIMIT\n\ndef f():\n    from .. import cache\n"
+                    "    from ... import backends\n")
+    modules = _modules()
+    found = _imports("mla_inductor.kernels.sm90.child", path, modules)
+    assert found == {"mla_inductor.kernels.sm90", "mla_inductor.kernels.cache",
+                     "mla_inductor.backends"}
 
 
 def test_nothing_below_the_tools_imports_them():
@@ -87,6 +103,28 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+def test_importing_a_kernel_module_leaves_its_package_as_it_was():
+    """Importing a submodule sets its package's attribute of that name: a kernel module named as
+    one of its backend package's protocol functions (``sm90.indexer_target``) would replace the
+    function the first time that kernel is compiled. Checked in a fresh process, importing every
+    module of the kernel packages after the package."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import mla_inductor.kernels as kernels, mla_inductor.kernels.sm90 as sm90\n"
+        "before = {p: dict(vars(p)) for p in (kernels, sm90)}\n"
+        "for package in before:\n"
+        "    for info in pkgutil.iter_modules(package.__path__):\n"
+        "        try:\n"
+        "            importlib.import_module(f'{package.__name__}.{info.name}')\n"
+        "        except ImportError:\n"
+        "            pass  # a backend's optional dependency\n"
+        "print(sorted(f'{p.__name__}.{k}' for p, old in before.items() for k, v in old.items()\n"
+        "             if vars(p).get(k) is not v and not k.startswith('__')))\n"
+    )
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "[]"
 
 
 def test_importing_the_package_imports_no_integrated_library():

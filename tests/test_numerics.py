@@ -1,6 +1,7 @@
 """Numerics of the sparse-MLA forward and backward, held against float64 references.
 
-The metric and builder tests check :mod:`mla_inductor.numerics` itself on hand-computable values.
+The metric and builder tests check :mod:`mla_inductor.accuracy` and :mod:`mla_inductor.numerics`
+themselves on hand-computable values.
 The backend tests run one parametrised matrix: ``emulate`` (the GPU kernels' online-softmax
 arithmetic, on CPU) always, and every kernel backend whose ``available()`` holds on a CUDA
 machine. They drive the public op, so the threshold policy is the one users get (training mode
@@ -18,6 +19,7 @@ import torch
 
 import mla_inductor
 from conftest import GPU_BACKENDS, backend_device, backend_params
+from mla_inductor import accuracy as A
 from mla_inductor import numerics as N
 from mla_inductor.kernels import emulate
 
@@ -74,10 +76,14 @@ def _train(backend, q, kv, indices, dout, rescale_threshold=None):
 
 def test_rel_l2_hand_values():
     ref = torch.tensor([3.0, 4.0], dtype=torch.float64)
-    assert N.rel_l2(ref, ref) == 0.0
-    assert N.rel_l2(ref * 1.1, ref) == pytest.approx(0.1, rel=1e-12)
+    assert A.rel_l2(ref, ref) == 0.0
+    assert A.rel_l2(ref * 1.1, ref) == pytest.approx(0.1, rel=1e-12)
     x = torch.tensor([[3.0], [4.0], [0.5]])  # float32 input, float64 arithmetic
-    assert N.rel_l2(x, torch.tensor([[3.0], [4.0], [0.0]])) == pytest.approx(0.1, rel=1e-12)
+    assert A.rel_l2(x, torch.tensor([[3.0], [4.0], [0.0]])) == pytest.approx(0.1, rel=1e-12)
+    zero = torch.zeros(3)
+    assert A.rel_l2(zero, zero) == 0.0  # e.g. a gradient that is zero on both sides
+    assert A.rel_l2(x, zero) == math.inf
+    assert math.isnan(A.rel_l2(torch.tensor([math.nan, 0.0]), ref))
 
 
 def test_row_gain_hand_values():
@@ -86,13 +92,13 @@ def test_row_gain_hand_values():
     out[0, 0] *= 1.01  # coherent gain +1%
     out[1, 0] += torch.tensor([0.0, 0.5, -0.5])  # orthogonal error: no gain
     out[1, 1] = torch.tensor([0.0, 3.0, 4.0 - 0.25])  # <-0.25 e3, ref> / 25 = -1 / 25
-    g = N.row_gain(out, ref)
+    g = A.row_gain(out, ref)
     assert g.shape == (2, 2) and g.dtype == torch.float64
     torch.testing.assert_close(g, torch.tensor([[0.01, 0.0], [0.0, -0.04]], dtype=torch.float64))
 
 
 def test_gain_stats_hand_values():
-    s = N.gain_stats(torch.tensor([3.0, -4.0]))
+    s = A.gain_stats(torch.tensor([3.0, -4.0]))
     assert s.rms == pytest.approx(math.sqrt(12.5))
     assert s.p99 == pytest.approx(3.99)  # linear interpolation between |3| and |-4|
     assert s.max == 4.0
@@ -100,12 +106,12 @@ def test_gain_stats_hand_values():
 
 def test_output_floor_hand_values():
     exact = torch.tensor([[1.0, -2.0, 0.5, 4.0]], dtype=torch.float64)
-    assert N.output_floor(exact) == (0.0, 0.0)
+    assert A.output_floor(exact) == (0.0, 0.0)
     # 1 + 2**-10 rounds to 1.0 in bf16 (8 significant bits): relative error -2**-10 / (1 + 2**-10)
     # on every element, all of it coherent.
     x = torch.full((3, 4), 1 + 2**-10, dtype=torch.float64)
     rel = 2**-10 / (1 + 2**-10)
-    floor = N.output_floor(x)
+    floor = A.output_floor(x)
     assert floor.rel_l2 == pytest.approx(rel, rel=1e-12)
     assert floor.row_gain_rms == pytest.approx(rel, rel=1e-12)
 
@@ -115,25 +121,25 @@ def test_noise_floor_and_coherent_component_hand_values():
     ref[1] *= 2.0
     b = ref.clone()
     a = ref + torch.tensor([[0.1, -0.1, 0.1, -0.1], [0.2, -0.2, 0.2, -0.2]])  # incoherent, 10%
-    assert N.noise_floor(a, b, ref) == pytest.approx(0.1 * math.sqrt(3 / 4))
-    torch.testing.assert_close(N.coherent_component(a, b, ref), torch.zeros(2, dtype=torch.float64))
+    assert A.noise_floor(a, b, ref) == pytest.approx(0.1 * math.sqrt(3 / 4))
+    torch.testing.assert_close(A.coherent_component(a, b, ref), torch.zeros(2, dtype=torch.float64))
     c = ref * 1.05  # a pure 5% gain
     gain = torch.full((2,), 0.05, dtype=torch.float64)
-    torch.testing.assert_close(N.coherent_component(c, b, ref), gain)
-    d = N.compare_orders(c, b, ref)
+    torch.testing.assert_close(A.coherent_component(c, b, ref), gain)
+    d = A.compare_orders(c, b, ref)
     assert d.rel_l2 == pytest.approx(0.05)
     assert d.coherent_rms == pytest.approx(0.05)
     assert d.floor == pytest.approx(0.05 * math.sqrt(3 / 4))
     assert d.ratio == pytest.approx(1 / math.sqrt(3 / 4))
-    assert N.compare_orders(b, b, ref) == (0.0, 0.0, 0.0, 0.0)  # identical: nothing coherent
+    assert A.compare_orders(b, b, ref) == (0.0, 0.0, 0.0, 0.0)  # identical: nothing coherent
 
 
 def test_rows_without_output_are_excluded():
     ref = torch.tensor([[1.0, 1.0], [0.0, 0.0]], dtype=torch.float64)
     out = torch.tensor([[1.1, 1.1], [0.0, 0.0]], dtype=torch.float64)
-    assert N.row_gain(out, ref).tolist() == pytest.approx([0.1, 0.0])
-    assert N.noise_floor(out, ref, ref) == pytest.approx(0.1 * math.sqrt(3 / 2))
-    assert N.compare_orders(out, ref, ref).coherent_rms == pytest.approx(0.1)
+    assert A.row_gain(out, ref).tolist() == pytest.approx([0.1, 0.0])
+    assert A.noise_floor(out, ref, ref) == pytest.approx(0.1 * math.sqrt(3 / 2))
+    assert A.compare_orders(out, ref, ref).coherent_rms == pytest.approx(0.1)
 
 
 # ----------------------------------------------------------------------------- builders
@@ -164,8 +170,8 @@ def test_peaked_inputs_make_the_self_key_dominant():
     for alpha in (0.0, N.PEAKED_ALPHA, N.SELF_ATTENTION_BETA):
         q, kv = N.peaked_inputs(T, H, alpha=alpha, seed=5)
         assert q.shape == (T, H, D_QK) and kv.shape == (T, D_QK) and q.dtype == torch.bfloat16
-        _, lse = N.reference_forward(q, kv, idx, sm_scale=SM_SCALE, d_v=D_V)
-        medians.append(N.self_weight(q, kv, lse, SM_SCALE)[T // 2 :].median().item())
+        _, lse = A.reference_forward(q, kv, idx, sm_scale=SM_SCALE, d_v=D_V)
+        medians.append(A.self_weight(q, kv, lse, SM_SCALE)[T // 2 :].median().item())
     assert medians[0] < 0.2 < medians[1] < medians[2]
     again = N.peaked_inputs(T, H, alpha=N.SELF_ATTENTION_BETA, seed=5)
     assert torch.equal(again[0], q) and torch.equal(again[1], kv)  # deterministic in the seed
@@ -195,10 +201,10 @@ def test_reference_matches_dense_autograd(with_sink):
     q, kv, idx, tl = _messy_problem(T=10, S=12, H=3, topk=9)
     q, kv = q.double().requires_grad_(), kv.double().requires_grad_()
     sink = torch.tensor([-math.inf, 0.5, 3.0], dtype=torch.float64) if with_sink else None
-    out, lse = N.reference_forward(q.detach(), kv.detach(), idx, tl, sm_scale=0.1, d_v=D_V,
+    out, lse = A.reference_forward(q.detach(), kv.detach(), idx, tl, sm_scale=0.1, d_v=D_V,
                                    attn_sink=sink)
     dout = torch.randn(out.shape, dtype=torch.float64)
-    dq, dkv = N.reference_backward(dout, q.detach(), kv.detach(), idx, tl, sm_scale=0.1, d_v=D_V,
+    dq, dkv = A.reference_backward(dout, q.detach(), kv.detach(), idx, tl, sm_scale=0.1, d_v=D_V,
                                    attn_sink=sink)
     # Dense formulation: one-hot counts [T, topk] -> [T, S] (duplicates add up), autograd; the
     # sink adds exp(sink) to each row's denominator.
@@ -271,7 +277,7 @@ def test_emulator_rejects_bad_configuration():
 @pytest.mark.parametrize("threshold", [0.0, 8.0])
 def test_backend_matches_fp64(backend, threshold):
     q, kv, idx, tl = _messy_problem()
-    ref, lse_ref = N.reference_forward(q, kv, idx, tl, sm_scale=SM_SCALE, d_v=D_V)
+    ref, lse_ref = A.reference_forward(q, kv, idx, tl, sm_scale=SM_SCALE, d_v=D_V)
     out, lse, o_lo = _forward(backend, q, kv, idx, tl, threshold=threshold)
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
     empty = torch.isinf(lse_ref)
@@ -280,17 +286,17 @@ def test_backend_matches_fp64(backend, threshold):
     assert (out[empty] == 0).all() and (o_lo[empty] == 0).all()
     assert torch.isfinite(out).all() and torch.isfinite(lse[~empty]).all()
     torch.testing.assert_close(lse[~empty].double(), lse_ref[~empty], rtol=0, atol=2e-5)
-    assert N.rel_l2(out, ref) < 2 * N.output_floor(ref).rel_l2
+    assert A.rel_l2(out, ref) < 2 * A.output_floor(ref).rel_l2
     # o_lo is the rounding residual of out: at most half a bf16 ulp (2**-8 relative) ...
     assert (o_lo.abs() <= out.float().abs() * 2**-8 + 1e-30).all()
     # ... and adding it back removes the output rounding (diffuse rows keep P's rounding).
-    assert N.rel_l2(out.float() + o_lo, ref) < 0.75 * N.rel_l2(out, ref)
+    assert A.rel_l2(out.float() + o_lo, ref) < 0.75 * A.rel_l2(out, ref)
 
     dout = torch.randn(ref.shape).bfloat16()
-    dq_ref, dkv_ref = N.reference_backward(dout, q, kv, idx, tl, sm_scale=SM_SCALE, d_v=D_V)
+    dq_ref, dkv_ref = A.reference_backward(dout, q, kv, idx, tl, sm_scale=SM_SCALE, d_v=D_V)
     dq, dkv = _backward(backend, dout, q, kv, idx, out, lse, o_lo, tl)
-    assert N.rel_l2(dq, dq_ref) < 2 * N.output_floor(dq_ref).rel_l2
-    assert N.rel_l2(dkv, dkv_ref) < 2 * N.output_floor(dkv_ref).rel_l2
+    assert A.rel_l2(dq, dq_ref) < 2 * A.output_floor(dq_ref).rel_l2
+    assert A.rel_l2(dkv, dkv_ref) < 2 * A.output_floor(dkv_ref).rel_l2
     assert (dq[empty] == 0).all()
     assert (dkv[-3:] == 0).all() and (dkv_ref[-3:] == 0).all()  # never read, never written
 
@@ -303,9 +309,9 @@ def peaked():
     """Peaked causal problem (alpha 0.25), its fp64 output and fp64 gradients for one dout."""
     q, kv = N.peaked_inputs(ORDER_T, ORDER_H, alpha=N.PEAKED_ALPHA, seed=0)
     last = N.causal_topk_indices(ORDER_T, ORDER_TOPK, seed=1)
-    ref, _ = N.reference_forward(q, kv, last, sm_scale=SM_SCALE, d_v=D_V)
+    ref, _ = A.reference_forward(q, kv, last, sm_scale=SM_SCALE, d_v=D_V)
     dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(2)).bfloat16()
-    dq_ref, dkv_ref = N.reference_backward(dout, q, kv, last, sm_scale=SM_SCALE, d_v=D_V)
+    dq_ref, dkv_ref = A.reference_backward(dout, q, kv, last, sm_scale=SM_SCALE, d_v=D_V)
     orders = {"dominant_last": last, "dominant_first": N.self_last(last)}
     return q, kv, orders, ref, dout, dq_ref, dkv_ref
 
@@ -315,7 +321,7 @@ def _run_orders(backend, peaked, rescale_threshold):
     runs = {}
     for order, idx in orders.items():
         out, dq, dkv = _train(backend, q, kv, idx, dout, rescale_threshold)
-        runs[order] = (out, N.rel_l2(dq, dq_ref), N.rel_l2(dkv, dkv_ref))
+        runs[order] = (out, A.rel_l2(dq, dq_ref), A.rel_l2(dkv, dkv_ref))
     return runs
 
 
@@ -324,10 +330,10 @@ def test_order_invariance_training(backend, peaked):
     """Training mode (exact running max by policy): no coherent error in either order."""
     ref = peaked[3]
     runs = _run_orders(backend, peaked, None)
-    floor = N.output_floor(ref)
+    floor = A.output_floor(ref)
     for out, _, _ in runs.values():
-        assert N.gain_stats(N.row_gain(out, ref)).rms < 2 * floor.row_gain_rms
-    diff = N.compare_orders(runs["dominant_last"][0], runs["dominant_first"][0], ref)
+        assert A.gain_stats(A.row_gain(out, ref)).rms < 2 * floor.row_gain_rms
+    diff = A.compare_orders(runs["dominant_last"][0], runs["dominant_first"][0], ref)
     assert diff.ratio < 2.0, diff
     (_, dq_l, dkv_l), (_, dq_f, dkv_f) = runs["dominant_last"], runs["dominant_first"]
     assert dq_l == pytest.approx(dq_f, rel=0.05)
@@ -343,10 +349,10 @@ def test_lazy_threshold_fails_order_invariance(backend, peaked):
     on every key, dq's error was over 1.2x larger in the dominant-last order)."""
     ref = peaked[3]
     runs = _run_orders(backend, peaked, 8.0)
-    diff = N.compare_orders(runs["dominant_last"][0], runs["dominant_first"][0], ref)
+    diff = A.compare_orders(runs["dominant_last"][0], runs["dominant_first"][0], ref)
     assert diff.ratio >= TEETH_BOUND, diff
-    gain_last = N.gain_stats(N.row_gain(runs["dominant_last"][0], ref)).rms
-    assert gain_last > 4 * N.output_floor(ref).row_gain_rms
+    gain_last = A.gain_stats(A.row_gain(runs["dominant_last"][0], ref)).rms
+    assert gain_last > 4 * A.output_floor(ref).row_gain_rms
     assert runs["dominant_last"][1] < 1.2 * runs["dominant_first"][1]  # dq error
 
 
@@ -364,12 +370,12 @@ def test_self_dominated_rows_with_and_without_o_lo(backend, heads):
     T, topk = 256, 256
     q, kv = N.peaked_inputs(T, heads, alpha=N.SELF_ATTENTION_BETA, seed=7)
     idx = N.causal_topk_indices(T, topk, seed=8)
-    ref, _ = N.reference_forward(q, kv, idx, sm_scale=SM_SCALE, d_v=D_V)
+    ref, _ = A.reference_forward(q, kv, idx, sm_scale=SM_SCALE, d_v=D_V)
     dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(9)).bfloat16()
-    dq_ref, dkv_ref = N.reference_backward(dout, q, kv, idx, sm_scale=SM_SCALE, d_v=D_V)
+    dq_ref, dkv_ref = A.reference_backward(dout, q, kv, idx, sm_scale=SM_SCALE, d_v=D_V)
 
     out, lse, o_lo = _forward(backend, q, kv, idx, threshold=0.0, return_o_lo=True)
-    assert N.rel_l2(out.float() + o_lo, ref) < 0.5 * N.rel_l2(out, ref)
+    assert A.rel_l2(out.float() + o_lo, ref) < 0.5 * A.rel_l2(out, ref)
     without = _backward(backend, dout, q, kv, idx, out, lse, o_lo.new_empty(0))
     with_lo = _backward(backend, dout, q, kv, idx, out, lse, o_lo)
 
@@ -381,9 +387,9 @@ def test_self_dominated_rows_with_and_without_o_lo(backend, heads):
         "dkv": (without[1], with_lo[1], dkv_ref),
     }
     for name, (a, b, r) in pairs.items():
-        ideal = N.output_floor(r).rel_l2
-        assert N.rel_l2(b, r) < 1.5 * ideal, (name, N.rel_l2(b, r), ideal)
-        assert N.rel_l2(a, r) < 1.5 * ideal, (name, N.rel_l2(a, r), ideal)
+        ideal = A.output_floor(r).rel_l2
+        assert A.rel_l2(b, r) < 1.5 * ideal, (name, A.rel_l2(b, r), ideal)
+        assert A.rel_l2(a, r) < 1.5 * ideal, (name, A.rel_l2(a, r), ideal)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -449,7 +455,7 @@ def test_reference_backward_exact_on_peaked_rows(gap):
     kv = torch.tensor([[1.0, 0.25], [0.0, -0.5]], dtype=torch.float64)  # s_0 = gap, s_1 = 0
     idx = torch.tensor([[0, 1]], dtype=torch.int32)
     dout = torch.tensor([[[0.75, -1.5]]], dtype=torch.float64)
-    dq, dkv = N.reference_backward(dout, q, kv, idx, sm_scale=1.0, d_v=2)
+    dq, dkv = A.reference_backward(dout, q, kv, idx, sm_scale=1.0, d_v=2)
     p1 = math.exp(-gap) / (1 + math.exp(-gap))
     dp = kv @ dout[0, 0]  # dP_k = dout . v_k
     ds0 = (1 - p1) * p1 * (dp[0] - dp[1]).item()

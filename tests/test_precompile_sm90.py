@@ -40,12 +40,18 @@ def test_precompile_rejects_other_arch():
         sm90.precompile("sm_100a")
 
 
-def test_threshold_that_overflows_p_is_rejected():
+@pytest.mark.parametrize("dtype,bound", [("float16", 15.0), ("bfloat16", 64.0)])
+def test_threshold_that_overflows_p_is_rejected(dtype, bound):
+    """The kernel takes the op's bounds (below 15 in float16, 64 in bfloat16), no wider."""
+    from mla_inductor.kernels.sm90.common import TORCH_TO_CUTE
     from mla_inductor.kernels.sm90.fwd import SparseMlaFwdSm90
-    from cutlass import Float16
 
-    with pytest.raises(ValueError, match="overflow"):
-        SparseMlaFwdSm90(Float16, 576, 512, 16.0, False, False)
+    cute_dtype = TORCH_TO_CUTE[dtype]
+    below = SparseMlaFwdSm90(cute_dtype, 576, 512, bound - 0.5, False, False)
+    assert below.threshold == bound - 0.5
+    for threshold in (bound, bound + 1.0, -1.0):
+        with pytest.raises(ValueError, match="overflow"):
+            SparseMlaFwdSm90(cute_dtype, 576, 512, threshold, False, False)
 
 
 def test_disk_cache_round_trip(tmp_path, monkeypatch):

@@ -41,5 +41,5 @@ def test_unsupported_dims_rejected():
     q = torch.zeros(1, 1, 256, dtype=torch.bfloat16)
     kv = torch.zeros(4, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError):
-        bwd_host.backward(q[..., :128], q, kv, torch.zeros(1, 4, dtype=torch.int32), None,
-                          q[..., :128], torch.zeros(1, 1), torch.zeros(0), 0.1, 128)
+        bwd_host.backward(q[..., :128], None, q, kv, torch.zeros(1, 4, dtype=torch.int32), None,
+                          None, None, q[..., :128], torch.zeros(1, 1), torch.zeros(0), 0.1, 128)

@@ -19,7 +19,10 @@ pytest.importorskip("cutlass.cute")
 
 import mla_inductor  # noqa: E402
 from mla_inductor.kernels import sm90  # noqa: E402
-from mla_inductor.kernels.sm90 import lightning, lightning_host, topk_host  # noqa: E402
+from mla_inductor.kernels.sm90.common import SMEM_LIMIT  # noqa: E402
+from mla_inductor.kernels.sm90 import lightning_every_key as lightning  # noqa: E402
+from mla_inductor.kernels.sm90 import lightning_every_key_host as lightning_host  # noqa: E402
+from mla_inductor.kernels.sm90 import topk_host  # noqa: E402
 
 SELECT_KEYS = list(topk_host.tuned_keys())
 
@@ -141,7 +144,7 @@ def test_shared_memory_fits():
         for tile in (16, 32, 64):
             config = lightning.LightningScoresSm90(dtype, tile, True)
             assert config.tokens * tile == 256
-            assert config._smem_bytes() <= lightning.SMEM_LIMIT
+            assert config._smem_bytes() <= SMEM_LIMIT
     fp8 = lightning.LightningScoresSm90(Float8E4M3FN, 64, True)
     assert (fp8.q_bytes, fp8.block_bytes, fp8.n_chunks, fp8.mma_k) == (32768, 8192, 1, 32)
 

@@ -14,7 +14,11 @@ pytest.importorskip("cutlass.cute")
 
 import mla_inductor  # noqa: E402
 from mla_inductor.kernels import sm90  # noqa: E402
-from mla_inductor.kernels.sm90 import lightning_scores, lightning_scores_host  # noqa: E402
+from mla_inductor.kernels.sm90 import host  # noqa: E402
+from mla_inductor.kernels.sm90.common import SMEM_LIMIT  # noqa: E402
+from mla_inductor.kernels.sm90 import lightning_selected_slots as lightning_scores  # noqa: E402
+from mla_inductor.kernels.sm90 import (  # noqa: E402
+    lightning_selected_slots_host as lightning_scores_host)
 
 DIRECTIONS = ("lightning_indexer_scores", "lightning_indexer_scores_bwd")
 
@@ -70,10 +74,10 @@ def test_two_ctas_fit_one_sm():
     per_sm = 228 * 1024  # shared memory of one SM90 multiprocessor
     for config in (lightning_scores.LightningScoresForwardSm90(BFloat16),
                    lightning_scores.LightningScoresBackwardSm90(BFloat16, False)):
-        assert config.smem_bytes() <= lightning_scores.SMEM_LIMIT
+        assert config.smem_bytes() <= SMEM_LIMIT
         assert 2 * (config.smem_bytes() + 1024) <= per_sm  # + the per-CTA reservation
-    assert lightning_scores.HEAD_TILE == sm90.LIGHTNING_MAX_HEADS
-    assert lightning_scores.D == sm90.LIGHTNING_D
+    assert lightning_scores.HEAD_TILE == host.LIGHTNING_MAX_HEADS
+    assert lightning_scores.D == host.LIGHTNING_D
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)

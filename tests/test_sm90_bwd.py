@@ -73,7 +73,8 @@ def test_gradients_vs_fp64(T, H, d_qk, d_v, S, topk, with_len):
     q, kv, dout, indices, topk_length = _case(T, H, d_qk, d_v, S, topk, with_topk_length=with_len)
     sm_scale = d_qk**-0.5
     dq64, dkv64, out, lse, o_lo = _reference(q, kv, dout, indices, topk_length, sm_scale, d_v)
-    dq, dkv, _ = bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
+    dq, dkv, _ = bwd_host.backward(dout, None, q, kv, indices, topk_length, None, None, out, lse,
+                                   o_lo, sm_scale, d_v)
     torch.cuda.synchronize()
     assert dq.dtype == q.dtype and dq.shape == q.shape
     assert dkv.dtype == kv.dtype and dkv.shape == kv.shape
@@ -107,11 +108,13 @@ def test_gathers_evict_first_same_gradients(monkeypatch, with_len):
     sm_scale = d_qk**-0.5
     dq64, dkv64, out, lse, o_lo = _reference(q, kv, dout, indices, topk_length, sm_scale, d_v)
     assert not bwd_host.gathers_evict_first(kv)  # 14 MB of kv + accumulator fit in L2
-    plain = bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
+    plain = bwd_host.backward(dout, None, q, kv, indices, topk_length, None, None, out, lse, o_lo,
+                              sm_scale, d_v)
     monkeypatch.setattr(bwd_host, "_l2_bytes", lambda device: 0)
     assert bwd_host.gathers_evict_first(kv)
-    streamed = bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v,
-                                 sort_rows=False)  # the rows as given: dq's sums in plain's order
+    # the rows as given: dq's sums in plain's order
+    streamed = bwd_host.backward(dout, None, q, kv, indices, topk_length, None, None, out, lse,
+                                 o_lo, sm_scale, d_v, sort_rows=False)
     torch.cuda.synchronize()
     assert torch.equal(streamed[0], plain[0])
     assert rel_l2(streamed[1], plain[1]) < 1e-3
@@ -131,13 +134,13 @@ def test_sorted_rows_same_gradients(monkeypatch, with_len, sink):
     sm_scale = d_qk**-0.5
     dq64, dkv64, out, lse, o_lo = _reference(q, kv, dout, indices, topk_length, sm_scale, d_v)
     attn_sink = torch.full((H,), -1.5, device="cuda") if sink else None
-    args = (dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v)
+    args = (dout, None, q, kv, indices, topk_length, None, attn_sink, out, lse, o_lo, sm_scale, d_v)
     assert not bwd_host.sorts_rows(kv, topk)
-    plain = bwd_host.backward(*args, attn_sink=attn_sink)
+    plain = bwd_host.backward(*args)
     monkeypatch.setattr(bwd_host, "_l2_bytes", lambda device: 0)
     assert bwd_host.sorts_rows(kv, topk) and not bwd_host.sorts_rows(kv, 8193)
-    ordered = bwd_host.backward(*args, attn_sink=attn_sink)
-    forced = bwd_host.backward(*args, attn_sink=attn_sink, sort_rows=True)
+    ordered = bwd_host.backward(*args)
+    forced = bwd_host.backward(*args, sort_rows=True)
     torch.cuda.synchronize()
     assert torch.equal(ordered[0], forced[0])  # dq: no atomics
     assert rel_l2(ordered[0], plain[0]) < 1e-3 and rel_l2(ordered[1], plain[1]) < 1e-3
@@ -172,8 +175,10 @@ def test_dominated_rows_dq_with_and_without_o_lo():
     q, kv, dout, idx = (t.cuda() for t in (q, kv, dout, idx))
     sm_scale = d_qk**-0.5
     dq64, _, out, lse, o_lo = _reference(q, kv, dout, idx, None, sm_scale, d_v)
-    dq_lo = bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)[0]
-    dq_no = bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo.new_empty(0), sm_scale, d_v)[0]
+    dq_lo = bwd_host.backward(dout, None, q, kv, idx, None, None, None, out, lse, o_lo, sm_scale,
+                              d_v)[0]
+    dq_no = bwd_host.backward(dout, None, q, kv, idx, None, None, None, out, lse, o_lo.new_empty(0),
+                              sm_scale, d_v)[0]
     e_lo, e_no, floor = rel_l2(dq_lo, dq64), rel_l2(dq_no, dq64), rel_l2(dq64.to(q.dtype), dq64)
     print(f"dq rel-L2 with o_lo {e_lo:.3e}, without {e_no:.3e}, bf16 floor {floor:.3e}")
     assert e_lo <= 1.5 * floor and e_no <= 1.5 * floor
@@ -261,8 +266,8 @@ def test_deterministic_gradients_vs_fp64(causal, sink):
     (out64 * dout.double()).sum().backward()
     out = out64.detach().to(q.dtype)
     o_lo = (out64.detach() - out.double()).to(q.dtype)
-    dq, dkv, d_sink = bwd_host.backward(dout, q, kv, indices, None, out, lse64.detach().float(),
-                                        o_lo, sm_scale, 512, q_positions=pos, attn_sink=attn_sink,
+    dq, dkv, d_sink = bwd_host.backward(dout, None, q, kv, indices, None, pos, attn_sink, out,
+                                        lse64.detach().float(), o_lo, sm_scale, 512,
                                         deterministic=True)
     torch.cuda.synchronize()
     assert dkv.dtype == kv.dtype and torch.isfinite(dkv).all()
@@ -292,13 +297,12 @@ def test_deterministic_bitwise_over_runs_streams_and_graph_replay(causal, sink):
     sm_scale = 576**-0.5
     from mla_inductor.kernels.sm90 import fwd_host
 
-    out, lse, o_lo, _ = fwd_host.forward(q, kv, indices, None, sm_scale, 512, 0.0, True,
-                                         q_positions=pos, attn_sink=attn_sink)
+    out, lse, o_lo, _ = fwd_host.forward(q, kv, indices, None, pos, attn_sink, sm_scale, 512, 0.0,
+                                         True)
 
     def run():
-        dq, dkv, d_sink = bwd_host.backward(dout, q, kv, indices, None, out, lse, o_lo, sm_scale,
-                                            512, q_positions=pos, attn_sink=attn_sink,
-                                            deterministic=True)
+        dq, dkv, d_sink = bwd_host.backward(dout, None, q, kv, indices, None, pos, attn_sink, out,
+                                            lse, o_lo, sm_scale, 512, deterministic=True)
         return [dq, dkv] + ([d_sink] if sink else [])
 
     first = run()
@@ -316,8 +320,8 @@ def test_deterministic_bitwise_over_runs_streams_and_graph_replay(causal, sink):
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(first, captured))
-    default = bwd_host.backward(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, 512,
-                                q_positions=pos, attn_sink=attn_sink)
+    default = bwd_host.backward(dout, None, q, kv, indices, None, pos, attn_sink, out, lse, o_lo,
+                                sm_scale, 512)
     assert torch.equal(default[0], first[0])  # dq has no atomics on either path
     assert rel_l2(first[1], default[1]) < 1e-4
 
@@ -385,8 +389,8 @@ def test_dominant_key_with_sink_dlse_and_empty_slots(deterministic):
     out = out64.detach().to(q.dtype)
     o_lo = (out64.detach() - out.double()).to(q.dtype)
     lse = lse64.detach().float()
-    runs = [bwd_host.backward(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, d_v,
-                              attn_sink=sink, dlse=dlse, deterministic=deterministic)
+    runs = [bwd_host.backward(dout, dlse, q, kv, indices, None, None, sink, out, lse, o_lo,
+                              sm_scale, d_v, deterministic=deterministic)
             for _ in range(2 if deterministic else 1)]
     dq, dkv, d_sink = runs[0]
     torch.cuda.synchronize()
@@ -403,7 +407,7 @@ def test_dominant_key_with_sink_dlse_and_empty_slots(deterministic):
     assert (dq[2] == 0).all()
     if deterministic:
         assert torch.equal(runs[1][0], dq) and torch.equal(runs[1][1], dkv)
-        plain = bwd_host.backward(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, d_v,
-                                  attn_sink=sink, dlse=dlse)
+        plain = bwd_host.backward(dout, dlse, q, kv, indices, None, None, sink, out, lse, o_lo,
+                                  sm_scale, d_v)
         assert torch.equal(plain[0], dq)
         assert rel_l2(plain[1], dkv) < 1e-4

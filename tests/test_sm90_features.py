@@ -69,10 +69,8 @@ def test_features_forward_and_backward_vs_fp64(threshold, H, causal, with_sink):
     positions = positions if causal else None
     sink = sink if with_sink else None
     sm_scale = D_QK**-0.5
-    out, lse, o_lo, max_logits = fwd_host.forward(
-        q, kv, indices, None, sm_scale, D_V, threshold, True, q_positions=positions,
-        attn_sink=sink, return_max_logits=True,
-    )
+    out, lse, o_lo, max_logits = fwd_host.forward(q, kv, indices, None, positions, sink, sm_scale,
+                                                  D_V, threshold, True, return_max_logits=True)
     q64 = q.double().requires_grad_()
     kv64 = kv.double().requires_grad_()
     sink64 = None if sink is None else sink.double().requires_grad_()
@@ -97,8 +95,8 @@ def test_features_forward_and_backward_vs_fp64(threshold, H, causal, with_sink):
     dlse = torch.randn(lse.shape, device="cuda", generator=g)
     dlse = torch.where(torch.isfinite(lse), dlse, 0.0)
     ((out64 * dout.double()).sum() + (torch.where(finite, lse64, 0.0) * dlse.double()).sum()).backward()
-    dq, dkv, d_sink = bwd_host.backward(dout, q, kv, indices, None, out, lse, o_lo, sm_scale, D_V,
-                                        q_positions=positions, attn_sink=sink, dlse=dlse)
+    dq, dkv, d_sink = bwd_host.backward(dout, dlse, q, kv, indices, None, positions, sink, out, lse,
+                                        o_lo, sm_scale, D_V)
     assert rel_l2(dq, q64.grad) <= 1.5 * rel_l2(q64.grad.to(q.dtype), q64.grad)
     assert rel_l2(dkv, kv64.grad) <= 1.5 * rel_l2(kv64.grad.to(kv.dtype), kv64.grad)
     if sink is None:
@@ -114,10 +112,10 @@ def test_features_forward_and_backward_vs_fp64(threshold, H, causal, with_sink):
 def test_sink_of_minus_inf_is_no_sink():
     q, kv, indices, positions, _ = _case(32, 64, 512, 128, seed=3)
     sm_scale = D_QK**-0.5
-    none = fwd_host.forward(q, kv, indices, None, sm_scale, D_V, 0.0, True, q_positions=positions)
+    none = fwd_host.forward(q, kv, indices, None, positions, None, sm_scale, D_V, 0.0, True)
     minus_inf = torch.full((64,), -math.inf, device="cuda")
-    with_sink = fwd_host.forward(q, kv, indices, None, sm_scale, D_V, 0.0, True,
-                                 q_positions=positions, attn_sink=minus_inf)
+    with_sink = fwd_host.forward(q, kv, indices, None, positions, minus_inf, sm_scale, D_V, 0.0,
+                                 True)
     # out and o_lo bitwise; lse to one float32 ulp: the two compiled variants contract
     # ``m * ln2 + log(rs)`` into FMAs differently (H200, 2026-12-02: 427 of 2048 lse values 1 ulp
     # apart, out and o_lo identical)
@@ -135,8 +133,8 @@ def test_sink_view_with_a_partial_head_tile():
     sink = storage[1:]
     assert sink.data_ptr() % 16 == 4
     sm_scale = D_QK**-0.5
-    out, lse, _, _ = fwd_host.forward(q, kv, indices, None, sm_scale, D_V, 0.0, False,
-                                      q_positions=positions, attn_sink=sink)
+    out, lse, _, _ = fwd_host.forward(q, kv, indices, None, positions, sink, sm_scale, D_V, 0.0,
+                                      False)
     out64, lse64, _ = _reference(q.double(), kv.double(), indices, sm_scale, positions,
                                  sink.double())
     assert rel_l2(out, out64) <= 1.5 * rel_l2(out64.to(q.dtype), out64)
@@ -163,8 +161,8 @@ def test_persistent_grid_walks_many_tiles(monkeypatch, threshold):
     sm_scale = D_QK**-0.5
 
     def run():
-        return fwd_host.forward(q, kv, indices, topk_length, sm_scale, D_V, threshold, True,
-                                q_positions=positions, attn_sink=sink, return_max_logits=True)
+        return fwd_host.forward(q, kv, indices, topk_length, positions, sink, sm_scale, D_V,
+                                threshold, True, return_max_logits=True)
 
     monkeypatch.setattr(fwd_host, "_sm_count", lambda device: 2 * T)  # one CTA per tile
     per_tile = run()

@@ -1,4 +1,4 @@
-"""GPU tests of the Hopper indexer-target kernel (mla_inductor.kernels.sm90.indexer).
+"""GPU tests of the Hopper indexer-target kernel (mla_inductor.kernels.sm90.indexer_target_kernel).
 
 Every check compares against a float64 target written here from the definition (the head-summed
 ``exp(sm_scale * q . k - lse)`` on valid slots, L1-normalised over the row's valid slots), with

@@ -96,7 +96,7 @@ def _check_chunk(q, k, w, pos, buf, b0, t0, n_tok, n_batch, rows_per_ref=256,
 
 def _run_scores(q, k, w, pos, b0=0, t0=0, n_tok=None, n_batch=None, extra_ld=0,
                 scales=(None, None)):
-    from mla_inductor.kernels.sm90 import lightning_host
+    from mla_inductor.kernels.sm90 import lightning_every_key_host
 
     B, T = q.shape[:2]
     S = k.shape[1]
@@ -104,7 +104,7 @@ def _run_scores(q, k, w, pos, b0=0, t0=0, n_tok=None, n_batch=None, extra_ld=0,
     n_batch = B - b0 if n_batch is None else n_batch
     buf = torch.full((n_tok * n_batch, -(-S // 4) * 4 + extra_ld), math.nan, device="cuda")
     row_len = _row_len(pos, B, T, S) if pos is not None else None
-    lightning_host.scores(q, k, w, row_len, buf, b0, t0, n_tok, n_batch, *scales)
+    lightning_every_key_host.scores(q, k, w, row_len, buf, b0, t0, n_tok, n_batch, *scales)
     return buf
 
 

@@ -1,5 +1,5 @@
 """GPU tests of the Hopper lightning indexer in fp8: the score kernel's float8_e4m3fn variant
-(mla_inductor.kernels.sm90.lightning) and its composition with the top-k select
+(mla_inductor.kernels.sm90.lightning_every_key) and its composition with the top-k select
 (kernels.sm90.lightning_indexer_host), with the test helpers of test_sm90_lightning.
 
 Every check compares against float64 scores of the definition on the fp8 values and their

@@ -52,9 +52,9 @@ ROWS_PER_REF = 64  # rows of one float64 reference chunk ([64, 2048, 128] float6
 
 
 def _host():
-    from mla_inductor.kernels.sm90 import lightning_scores_host
+    from mla_inductor.kernels.sm90 import lightning_selected_slots_host
 
-    return lightning_scores_host
+    return lightning_selected_slots_host
 
 
 def make_inputs(B, T, S, H, topk, dtype=torch.bfloat16, seed=0, empty=0.2, nan_keys=True,

@@ -65,24 +65,27 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
     dout = torch.randn(T, H, d_v, device="cuda", generator=g).bfloat16()
     idx = make_indices(T, S, topk, pattern, g)
     sm_scale = d_qk**-0.5
-    out, lse, o_lo, _ = fwd_host.forward(q, kv, idx, None, sm_scale, d_v, 0.0, True)
+    out, lse, o_lo, _ = fwd_host.forward(q, kv, idx, None, None, None, sm_scale, d_v, 0.0, True)
     no_o_lo = o_lo.new_empty(0)
     flops = 2 * T * H * topk * (3 * d_qk + 2 * d_v)
-    fns = {"sm90": lambda: bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v),
-           "sm90, no o_lo": lambda: bwd_host.backward(dout, q, kv, idx, None, out, lse, no_o_lo,
-                                                      sm_scale, d_v)}
+    fns = {"sm90": lambda: bwd_host.backward(dout, None, q, kv, idx, None, None, None, out, lse,
+                                             o_lo, sm_scale, d_v),
+           "sm90, no o_lo": lambda: bwd_host.backward(dout, None, q, kv, idx, None, None, None, out,
+                                                      lse, no_o_lo, sm_scale, d_v)}
     if features:  # each DSA feature's backward against the plain one (the same out / lse)
         extra = feature_arguments(T, S, H)
         pos, sink = extra["causal"][0], extra["sink"][1]
         dlse = torch.randn(T, H, device="cuda", generator=g)
-        for name, kwargs in (("causal", dict(q_positions=pos)), ("sink", dict(attn_sink=sink)),
-                             ("dlse", dict(dlse=dlse))):
-            fns[f"sm90 + {name}"] = (lambda kwargs=kwargs: bwd_host.backward(
-                dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v, **kwargs))
+        # (q_positions, attn_sink, dlse) of each feature
+        for name, (p, s, d) in (("causal", (pos, None, None)), ("sink", (None, sink, None)),
+                                ("dlse", (None, None, dlse))):
+            fns[f"sm90 + {name}"] = (lambda p=p, s=s, d=d: bwd_host.backward(
+                dout, d, q, kv, idx, None, p, s, out, lse, o_lo, sm_scale, d_v))
     cudnn_bwd = _cudnn_backward()
     if deterministic:
-        fns["sm90, deterministic"] = lambda: bwd_host.backward(
-            dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v, deterministic=True)
+        fns["sm90, deterministic"] = lambda: bwd_host.backward(dout, None, q, kv, idx, None, None,
+                                                               None, out, lse, o_lo, sm_scale, d_v,
+                                                               deterministic=True)
     if cudnn_bwd is not None:
         sink = torch.full((H,), float("-inf"), dtype=torch.float32, device="cuda")
         fns["cudnn"] = lambda: cudnn_bwd(q, kv, out, dout, lse, sink, idx, softmax_scale=sm_scale)
@@ -93,18 +96,20 @@ def bench_row(T, H, topk, pattern, d_qk=576, d_v=512, with_reference=True, proto
            f"(without o_lo {flops / times['sm90, no o_lo'] / 1e9:7.1f})"
     if cudnn_bwd is not None:
         cudnn_ms = times["cudnn"]
-        ours = bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)[:2]
+        ours = bwd_host.backward(dout, None, q, kv, idx, None, None, None, out, lse, o_lo, sm_scale,
+                                 d_v)[:2]
         theirs = cudnn_bwd(q, kv, out, dout, lse, sink, idx, softmax_scale=sm_scale)
         agree = max(_rel_l2(ours[0], theirs["dq"]), _rel_l2(ours[1], theirs["dkv"]))
         line += f" | cuDNN {cudnn_ms:8.3f} ms {flops / cudnn_ms / 1e9:7.1f} TFLOPS " \
                 f"(ours/cuDNN {cudnn_ms / ms:.2f}x, gradients agree to rel-L2 {agree:.1e})"
     if deterministic:
-        det = bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v,
-                                deterministic=True)[:2]
-        again = bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v,
-                                  deterministic=True)[:2]
+        det = bwd_host.backward(dout, None, q, kv, idx, None, None, None, out, lse, o_lo, sm_scale,
+                                d_v, deterministic=True)[:2]
+        again = bwd_host.backward(dout, None, q, kv, idx, None, None, None, out, lse, o_lo,
+                                  sm_scale, d_v, deterministic=True)[:2]
         same = all(torch.equal(a, b) for a, b in zip(det, again))
-        plain = bwd_host.backward(dout, q, kv, idx, None, out, lse, o_lo, sm_scale, d_v)[:2]
+        plain = bwd_host.backward(dout, None, q, kv, idx, None, None, None, out, lse, o_lo,
+                                  sm_scale, d_v)[:2]
         line += f" | deterministic {times['sm90, deterministic']:8.3f} ms " \
                 f"({times['sm90, deterministic'] / ms:.3f}x time, +{S * d_qk * 4 / 2**20:.0f} MiB, " \
                 f"dkv vs default rel-L2 {_rel_l2(det[1], plain[1]):.1e}, " \

@@ -25,11 +25,13 @@ import math
 
 import torch
 
+from ..thresholds import EXACT_THRESHOLD, LAZY_THRESHOLD
 from .problems import (D_QK, D_V, KV_LENGTHS, PATTERNS, add_shape_arguments, make_indices,
                        require_sm90)
 from .timing import PROTOCOLS, add_protocol_argument, paired_ratios
 
-MODES = {"exact": (0.0, False), "train": (0.0, True), "lazy": (8.0, False)}
+MODES = {"exact": (EXACT_THRESHOLD, False), "train": (EXACT_THRESHOLD, True),
+         "lazy": (LAZY_THRESHOLD, False)}
 
 
 def torch_forward(q, kv, indices, sm_scale, d_v=D_V, chunk=256):
@@ -105,8 +107,8 @@ def bench_fwd(Ts, Hs, topk, patterns=PATTERNS, protocol="sustained", kv_per_toke
                     for name, (pos, sink, max_logits) in feature_arguments(T, S, H).items():
                         fns[f"exact + {name}"] = (
                             lambda pos=pos, sink=sink, max_logits=max_logits: sm90.forward(
-                                q, kv, indices, None, pos, sink, sm_scale, D_V, 0.0, False,
-                                max_logits))
+                                q, kv, indices, None, pos, sink, sm_scale, D_V,
+                                EXACT_THRESHOLD, False, max_logits))
                 if flashmla is not None and H in (64, 128):
                     fns["FlashMLA"] = lambda: flashmla(q, kv[:, None], indices[:, None], sm_scale,
                                                        D_V, None, None)

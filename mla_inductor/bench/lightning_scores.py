@@ -21,7 +21,7 @@ import datetime
 
 import torch
 
-from ..numerics import rel_l2
+from ..accuracy import rel_l2
 from .problems import require_sm90
 from .timing import time_ms_interleaved
 

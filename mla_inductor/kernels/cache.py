@@ -1,5 +1,5 @@
-"""Compiled-kernel cache for our CuTe DSL kernels (the sm90 forward, backward and indexer target;
-the sm100 backend uses FlashAttention-4's own cache).
+"""Compiled-kernel cache for our CuTe DSL kernels (each launcher of :mod:`mla_inductor.kernels.sm90`
+keeps one; the sm100 backend uses FlashAttention-4's own cache).
 
 A :class:`KernelCache` maps a static compile key (a tuple of dtype names, head dims, threshold,
 flags, arch: never a dynamic size) to a compiled TVM-FFI function. A miss compiles through the

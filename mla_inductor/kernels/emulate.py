@@ -98,7 +98,7 @@ def forward(
     block_n: int = BLOCK_N,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel-faithful sparse-MLA forward; see the module docstring for the arithmetic and
-    :mod:`mla_inductor.kernels` for the protocol (shapes, dtypes, outputs).
+    :class:`mla_inductor.backends.Backend` for the protocol (shapes, dtypes, outputs).
 
     Args:
         block_n: keys per block of the online softmax (64 for the SM90 kernels; FA4's SM100

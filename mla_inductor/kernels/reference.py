@@ -118,7 +118,7 @@ def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor] = None):
 
 def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, rescale_threshold,
             return_o_lo, return_max_logits):
-    """Reference forward; see the backend protocol in :mod:`mla_inductor.kernels`.
+    """Reference forward; see the backend protocol, :class:`mla_inductor.backends.Backend`.
 
     ``rescale_threshold`` does not change the arithmetic here: the softmax always uses the exact
     maximum, which is what ``0.0`` asks a kernel to do.
@@ -151,7 +151,7 @@ def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, 
 
 def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
              sm_scale, d_v, deterministic=False):
-    """Reference backward; see the backend protocol in :mod:`mla_inductor.kernels`.
+    """Reference backward; see the backend protocol, :class:`mla_inductor.backends.Backend`.
 
     The textbook fp32 gradients of the softmax (:func:`gradients` with ``dpsum = None``): P is
     recomputed from the scores as the forward computes it, and ``dpsum = rowsum(P * dP)`` from
@@ -242,7 +242,7 @@ def _dominant_from_row(ds, p, dp, p_sink, dlse, sm_scale):
 
 
 def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
-    """Reference indexer target; see the backend protocol in :mod:`mla_inductor.kernels`.
+    """Reference indexer target; see the backend protocol, :class:`mla_inductor.backends.Backend`.
 
     Per chunk of tokens: the scores as the forward forms them (fp32, empty slots -inf),
     ``P = exp(s - lse - m_t)`` with the given lse (0 on empty slots, also where lse is -inf) and

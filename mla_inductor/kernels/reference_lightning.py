@@ -137,7 +137,8 @@ def select(scores: Tensor, seen: Optional[Tensor], topk: int) -> tuple[Tensor, T
 def lightning_indexer(q: Tensor, k: Tensor, weights: Tensor, q_positions: Optional[Tensor],
                       topk: int, *, q_scale: Optional[Tensor] = None,
                       k_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """Reference lightning indexer; see the backend protocol in :mod:`mla_inductor.kernels`.
+    """Reference lightning indexer; see the backend protocol,
+    :class:`mla_inductor.backends.Backend`.
 
     ``q [B, T, H, D]``, ``k [B, S, D]`` (q's dtype), ``weights [B, T, H]`` float32,
     ``q_positions [B, T]`` int32 or None (causal: key ``s`` is seen by token ``t`` when ``s <=

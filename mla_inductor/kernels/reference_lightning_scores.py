@@ -1,6 +1,6 @@
 """PyTorch reference of the lightning indexer's scores at the selected slots, forward and backward
 (backend protocol functions ``lightning_indexer_scores`` and ``lightning_indexer_scores_bwd`` of
-:mod:`mla_inductor.kernels`, exposed by :mod:`mla_inductor.kernels.reference`).
+:class:`mla_inductor.backends.Backend`, exposed by :mod:`mla_inductor.kernels.reference`).
 
 ``scores[b, t, j] = sum_h weights[b, t, h] * relu(q[b, t, h] . k[b, indices[b, t, j]])`` (the
 lightning indexer's definition, DeepSeek-V3.2-Exp technical report, section 2.1), float32
@@ -66,7 +66,7 @@ def _accumulator(q: torch.Tensor) -> torch.dtype:
 
 
 def lightning_indexer_scores(q, k, weights, indices):
-    """Reference forward; see the backend protocol in :mod:`mla_inductor.kernels`.
+    """Reference forward; see the backend protocol, :class:`mla_inductor.backends.Backend`.
 
     ``q [B, T, H, D]``, ``k [B, S, D]`` (q's dtype), ``weights [B, T, H]`` float32, ``indices
     [B, T, topk]`` int32, all contiguous; returns contiguous ``scores [B, T, topk]`` float32
@@ -90,7 +90,7 @@ def lightning_indexer_scores(q, k, weights, indices):
 
 
 def lightning_indexer_scores_bwd(dscores, q, k, weights, indices, deterministic=False):
-    """Reference backward; see the backend protocol in :mod:`mla_inductor.kernels`.
+    """Reference backward; see the backend protocol, :class:`mla_inductor.backends.Backend`.
 
     ``dscores [B, T, topk]`` float32, the rest as :func:`lightning_indexer_scores`'s, all
     contiguous. Returns contiguous ``dq [B, T, H, D]`` in q's dtype, ``dk [B, S, D]`` in k's dtype

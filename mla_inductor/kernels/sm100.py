@@ -2,7 +2,7 @@
 
 Runs the kernels that ``flash-attn-4==4.0.0b36`` ships under ``flash_attn/cute/`` (install with
 ``pip install 'mla-inductor[sm100]'``); this module only adapts layouts and arguments, it holds no
-kernel code. Implements the backend protocol of :mod:`mla_inductor.kernels`.
+kernel code. Implements the backend protocol, :class:`mla_inductor.backends.Backend`.
 
 Layout mapping (no copies: views of our packed tensors, batch dimension 1). FA4 computes
 ``softmax(sm_scale * (q_pe . k_pe + qv . v)) . v`` with ``q_pe``/``k_pe`` the 64-wide RoPE part
@@ -48,6 +48,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+
+from ..thresholds import EXACT_THRESHOLD, LAZY_THRESHOLD
 
 INSTALL_HINT = "pip install 'mla-inductor[sm100]'"
 D_LATENT = 512  # FA4's hdim_v (qv / v width)
@@ -307,7 +309,8 @@ def forward(
     return_o_lo: bool,
     return_max_logits: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Sparse-MLA forward on FA4's SM100 kernel (shapes, semantics: :mod:`mla_inductor.kernels`).
+    """Sparse-MLA forward on FA4's SM100 kernel (shapes, semantics:
+    :class:`mla_inductor.backends.Backend`).
 
     ``rescale_threshold`` (log2 units) and ``return_o_lo`` select the compiled kernel: the
     threshold is a compile-time constant of FA4's online softmax, and o_lo is an extra epilogue
@@ -361,7 +364,8 @@ def backward(
     d_v: int,
     deterministic: bool = False,
 ) -> tuple[Tensor, Tensor, None]:
-    """Sparse-MLA backward on FA4's SM100 kernels (shapes, semantics: :mod:`mla_inductor.kernels`).
+    """Sparse-MLA backward on FA4's SM100 kernels (shapes, semantics:
+    :class:`mla_inductor.backends.Backend`).
 
     ``dpsum = rowsum(dout * (out + o_lo))`` (o_lo in out's dtype, as FA4 stores it) or
     ``rowsum(dout * out)`` when o_lo is empty. dk/dv accumulate in fp32 inside FA4, with
@@ -489,7 +493,7 @@ def precompile(
     topk: tuple[int, ...] = (2048,),
     d_qk: int = D_LATENT + D_ROPE,
     d_v: int = D_LATENT,
-    modes: tuple[tuple[float, bool], ...] = ((0.0, True), (8.0, False)),
+    modes: tuple[tuple[float, bool], ...] = ((EXACT_THRESHOLD, True), (LAZY_THRESHOLD, False)),
     compile_backward: bool = True,
     num_sms: int = 148,
 ) -> dict:

@@ -92,13 +92,6 @@ def quantized(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, dict]:
     return q8, k8, {"q_scale": q_scale, "k_scale": k_scale}
 
 
-def chunk_tokens(n_heads: int, S: int, score_bytes: int) -> int:
-    """Query tokens per chunk (of the indexer loss's logits,
-    :mod:`.loss`): as many as keep ``[chunk, n_heads, S]`` float32 (4 bytes
-    each) within ``score_bytes``; at least 1."""
-    return max(1, score_bytes // (n_heads * S * 4))
-
-
 def _rotate(rope: Callable, x: Tensor, position_embeddings: tuple[Tensor, Tensor]) -> Tensor:
     """``rope`` applied to ``x [B, T, n, qk_rope_head_dim]`` alone. The models' RoPE functions
     rotate a (q, k) pair, each tensor on its own; ``x``'s first head goes in as the k (1/n of the

@@ -1,21 +1,39 @@
-"""Our Hopper (SM90a) sparse-MLA kernels, written in CuTe DSL (backend protocol of
-:mod:`mla_inductor.kernels`). The forward's kernel is in :mod:`.fwd`, the backward's in
-:mod:`.bwd`, the indexer's training target in :mod:`.indexer`, the lightning indexer's scores in
-:mod:`.lightning` (bf16 / fp16, and float8_e4m3fn with its scales); each has its launcher
-(argument checks, compile key, kernel cache, launch) in :mod:`.fwd_host`, :mod:`.bwd_host`,
-:mod:`.indexer_host`, :mod:`.lightning_host`, which import the CuTe DSL only to compile a kernel
-that is not cached. Over long kv the backward first sorts each row's slots (:mod:`.rowsort`,
-launched by :mod:`.rowsort_host`). The lightning indexer's scores and top-k select are composed
-in :mod:`.lightning_indexer_host`. Its scores at the selected slots (the op
-``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_scores`, launched by
-:mod:`.lightning_scores_host`; the indexer loss's per-row KL and its gradient in :mod:`.kl`,
-launched by :mod:`.kl_host`."""
+"""Our Hopper (SM90a) sparse-MLA kernels, written in CuTe DSL (the backend protocol,
+:class:`mla_inductor.backends.Backend`). The forward's kernel is in :mod:`.fwd`, the backward's in
+:mod:`.bwd`, the indexer's training target in :mod:`.indexer_target_kernel`, the lightning
+indexer's scores for every key in :mod:`.lightning_every_key` (bf16 / fp16, and float8_e4m3fn
+with its scales); each has its launcher (argument checks, compile key, kernel cache, launch) in
+:mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_target_host`,
+:mod:`.lightning_every_key_host`, which import the CuTe DSL only to compile a kernel that is not
+cached. Over long kv the backward first sorts each row's slots (:mod:`.rowsort`, launched by
+:mod:`.rowsort_host`). The lightning indexer's scores and top-k select are composed in
+:mod:`.lightning_indexer_host`. Its scores at the selected slots (the op
+``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_selected_slots`,
+launched by :mod:`.lightning_selected_slots_host`; the indexer loss's per-row KL and its gradient
+in :mod:`.kl`, launched by :mod:`.kl_host`."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import torch
+
+from ...thresholds import EXACT_THRESHOLD, LAZY_THRESHOLD
+from . import (bwd_host, fwd_host, indexer_target_host, kl_host, lightning_every_key_host,
+               lightning_selected_slots_host, rowsort_host, topk_host)
+from .host import (INDEXER_D_QK, INDEXER_MAX_HEADS, LIGHTNING_D, LIGHTNING_MAX_HEADS,
+                   SUPPORTED_DIMS)
+
+# The backend protocol's kernel functions (:class:`mla_inductor.backends.Backend`): the
+# launchers take its argument order.
+from .bwd_host import backward
+from .fwd_host import forward
+from .indexer_target_host import indexer_target
+from .kl_host import backward as indexer_kl_bwd
+from .kl_host import forward as indexer_kl
+from .lightning_indexer_host import lightning_indexer
+from .lightning_selected_slots_host import backward as lightning_indexer_scores_bwd
+from .lightning_selected_slots_host import forward as lightning_indexer_scores
 
 
 def available() -> tuple[bool, str]:
@@ -35,19 +53,6 @@ def available() -> tuple[bool, str]:
         if not found:
             return False, f"sm90: {package} not installed (no module named {module!r})"
     return True, ""
-
-
-SUPPORTED_DIMS = ((576, 512), (512, 512))  # (d_qk, d_v)
-
-
-INDEXER_D_QK = (576, 512)
-INDEXER_TILE_HEADS = (64, 128)  # the indexer kernel's wgmma N: the heads of one token, padded
-INDEXER_MAX_HEADS = INDEXER_TILE_HEADS[-1]
-
-LIGHTNING_D = 128  # the lightning indexer's head dim
-LIGHTNING_HEAD_TILES = (16, 32, 64)  # its score kernel's heads per token, padded
-LIGHTNING_TILE_N = 256  # its wgmma N: tokens x head tile
-LIGHTNING_MAX_HEADS = LIGHTNING_HEAD_TILES[-1]
 
 
 def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tuple[bool, str]:
@@ -88,18 +93,10 @@ def supports(dtype, direction, T, H, S, d_qk, d_v, features=frozenset()) -> tupl
     return True, ""
 
 
-def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, rescale_threshold,
-            return_o_lo, return_max_logits):
-    """See :func:`mla_inductor.kernels.sm90.fwd_host.forward`."""
-    from . import fwd_host
-
-    return fwd_host.forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold,
-                            return_o_lo, q_positions=q_positions, attn_sink=attn_sink,
-                            return_max_logits=return_max_logits)
-
 
 def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576, d_v: int = 512,
-               thresholds=(0.0, 8.0), o_lo=(False, True), topk_length=(False, True),
+               thresholds=(EXACT_THRESHOLD, LAZY_THRESHOLD), o_lo=(False, True),
+               topk_length=(False, True),
                backward_heads=(128,), backward_o_lo=(True,), backward_topk=(2048,),
                indexer_heads=(128,),
                indexer_positions=(False, True), lightning_heads=(),
@@ -129,17 +126,9 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
     """
     if arch != "sm_90a":
         raise ValueError(f"sm90 backend: cannot compile for {arch!r}; use 'sm_90a'")
-    from . import (bwd_host, fwd_host, indexer_host, kl_host, lightning_host,
-                   lightning_scores_host, rowsort_host, topk_host)
-
-    compiled = {}
-    for dtype in dtypes:
-        for threshold in thresholds:
-            for with_o_lo in o_lo:
-                for with_len in topk_length:
-                    key = fwd_host.compile_key(dtype, d_qk, d_v, threshold, with_o_lo, with_len,
-                                               arch)
-                    compiled[key] = fwd_host.get_kernel(key)
+    compiled = fwd_host.precompile_forward(arch, dtypes=dtypes, d_qk=d_qk, d_v=d_v,
+                                           thresholds=thresholds, o_lo=o_lo,
+                                           topk_length=topk_length)
     if backward_heads:
         compiled.update(bwd_host.precompile_backward(
             arch, dtypes=dtypes, heads=backward_heads, d_qk=d_qk, d_v=d_v, topk_length=topk_length,
@@ -147,75 +136,17 @@ def precompile(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 57
         compiled.update(rowsort_host.precompile_sort(arch, topks=backward_topk,
                                                      topk_length=topk_length))
     if indexer_heads:
-        compiled.update(indexer_host.precompile_target(
+        compiled.update(indexer_target_host.precompile_target(
             arch, dtypes=dtypes, d_qk=d_qk, heads=indexer_heads, topk_length=topk_length,
             positions=indexer_positions))
     if lightning_heads:
-        compiled.update(lightning_host.precompile_scores(
+        compiled.update(lightning_every_key_host.precompile_scores(
             arch, dtypes=dtypes if lightning_dtypes is None else lightning_dtypes,
             heads=lightning_heads, causal=lightning_causal))
         compiled.update(topk_host.precompile_select(arch))
     if lightning_scores:
-        compiled.update(lightning_scores_host.precompile_scores(
+        compiled.update(lightning_selected_slots_host.precompile_scores(
             arch, dtypes=dtypes, deterministic=lightning_scores_deterministic))
     if indexer_kl:
         compiled.update(kl_host.precompile_kl(arch))
     return compiled
-
-
-def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
-             sm_scale, d_v, deterministic=False):
-    """See :func:`mla_inductor.kernels.sm90.bwd_host.backward`."""
-    from . import bwd_host
-
-    return bwd_host.backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v,
-                             q_positions=q_positions, attn_sink=attn_sink, dlse=dlse,
-                             deterministic=deterministic)
-
-
-def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
-    """See :func:`mla_inductor.kernels.sm90.indexer_host.indexer_target` (``attn_sink`` is
-    inside ``lse`` and not read)."""
-    from . import indexer_host
-
-    del attn_sink
-    return indexer_host.indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale)
-
-
-def lightning_indexer(q, k, weights, q_positions, topk, *, q_scale=None, k_scale=None):
-    """See :func:`mla_inductor.kernels.sm90.lightning_indexer_host.lightning_indexer` (the fp8
-    scales with float8_e4m3fn q and k)."""
-    from . import lightning_indexer_host
-
-    return lightning_indexer_host.lightning_indexer(q, k, weights, q_positions, topk,
-                                                    q_scale=q_scale, k_scale=k_scale)
-
-
-def lightning_indexer_scores(q, k, weights, indices):
-    """See :func:`mla_inductor.kernels.sm90.lightning_scores_host.forward`."""
-    from . import lightning_scores_host
-
-    return lightning_scores_host.forward(q, k, weights, indices)
-
-
-def lightning_indexer_scores_bwd(dscores, q, k, weights, indices, deterministic=False):
-    """See :func:`mla_inductor.kernels.sm90.lightning_scores_host.backward`; dk in 64-bit fixed
-    point (bitwise reproducible) with ``deterministic``."""
-    from . import lightning_scores_host
-
-    return lightning_scores_host.backward(dscores, q, k, weights, indices,
-                                          deterministic=deterministic)
-
-
-def indexer_kl(logits, target, indices, hi, length):
-    """See :func:`mla_inductor.kernels.sm90.kl_host.forward`."""
-    from . import kl_host
-
-    return kl_host.forward(logits, target, indices, hi, length)
-
-
-def indexer_kl_bwd(dkl, logits, target, indices, hi, length, lse, tsum):
-    """See :func:`mla_inductor.kernels.sm90.kl_host.backward`."""
-    from . import kl_host
-
-    return kl_host.backward(dkl, logits, target, indices, hi, length, lse, tsum)

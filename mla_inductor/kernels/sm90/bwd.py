@@ -119,7 +119,7 @@ from cutlass import Boolean, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 
-from .common import kmajor_sw128, transposed
+from .common import TORCH_TO_CUTE, kmajor_sw128, transposed
 from .host import DKV_GROUP as _GROUP
 from .ptx import (cp_async_16, create_policy, opaque_i32, red_add_f32x4, red_add_fixed64,
                   red_add_shared_f32, st_shared_b32)
@@ -979,9 +979,6 @@ class SparseMlaBackwardSm90:
                 red_add_f32x4(addr_b + line, vb[0], vb[1], vb[2], vb[3], ok_b, keep)
 
 
-_DTYPES = {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}
-
-
 def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_length: bool,
                      has_o_lo: bool = True, has_positions: bool = False, has_dlse: bool = False,
                      writes_dpsum: bool = False, gather_evict_first: bool = False,
@@ -993,7 +990,7 @@ def compile_backward(dtype_name: str, heads: int, d_qk: int, d_v: int, has_topk_
     and a float, and runs on torch's current stream; ``dkv_accum`` is float32, or int64 with a
     ``[1]`` float32 fixed-point ``scale`` when ``deterministic``; ``attn_sink`` is ``[heads]``
     float32 when ``has_sink``."""
-    cdtype = _DTYPES[dtype_name]
+    cdtype = TORCH_TO_CUTE[dtype_name]
     T, S, K = cute.sym_int(), cute.sym_int(), cute.sym_int()
 
     def fake(dt, shape, align):

@@ -10,13 +10,15 @@ the sort in :mod:`.rowsort_host`). It imports the CuTe DSL only to compile a ker
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
 from ..cache import KernelCache
-from . import SUPPORTED_DIMS, rowsort_host
+from . import rowsort_host
 from .host import DKV_GROUP as _GROUP
-from .host import compile_for_arch, contiguous_aligned, fixed_point_scale_for, int32_contiguous
+from .host import (SUPPORTED_DIMS, compile_for_arch, contiguous_aligned, fixed_point_scale_for,
+                   int32_contiguous)
 
 _CACHE = KernelCache("mla_sm90_bwd")
 
@@ -109,17 +111,11 @@ def precompile_backward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads
     if arch != "sm_90a":
         raise ValueError(f"sm90 backward: cannot compile for {arch!r}; use 'sm_90a'")
     compiled = {}
-    for dtype in dtypes:
-        for h in heads:
-            for with_len in topk_length:
-                for with_o_lo in o_lo:
-                    for evict_first in gather_evict_first:
-                        for det in deterministic:
-                            for sink in attn_sink:
-                                key = compile_key(dtype, h, d_qk, d_v, with_len, with_o_lo, arch,
-                                                  gather_evict_first=evict_first,
-                                                  deterministic=det, has_sink=sink)
-                                compiled[key] = get_kernel(key)
+    for dtype, h, with_len, with_o_lo, evict_first, det, sink in itertools.product(
+            dtypes, heads, topk_length, o_lo, gather_evict_first, deterministic, attn_sink):
+        key = compile_key(dtype, h, d_qk, d_v, with_len, with_o_lo, arch,
+                          gather_evict_first=evict_first, deterministic=det, has_sink=sink)
+        compiled[key] = get_kernel(key)
     return compiled
 
 
@@ -217,15 +213,16 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     return dq
 
 
-def backward(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d_v, *,
-             q_positions=None, attn_sink=None, dlse=None, deterministic=False, sort_rows=None):
-    """The whole SM90 backward: returns ``(dq, dkv, d_sink)``, ``dq [T, H, d_qk]`` in q's dtype,
-    ``dkv [S, d_qk]`` in kv's dtype (fp32 accumulation, empty slots never written) and, when
-    ``attn_sink [H]`` float32 is given, ``d_sink [H]`` float32 ``= -sum_t exp(sink - lse) *
-    (dpsum - dlse)`` (else None). Inputs as :func:`backward_into`. With ``deterministic``, dkv
-    is accumulated in 64-bit fixed point (:func:`fixed_point_scale`) instead of with float32
-    atomics, so that it is bitwise the same in every run (dq and d_sink always are: no
-    atomics); the accumulator then takes ``S * d_qk * 8`` bytes instead of 4.
+def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, out, lse, o_lo,
+             sm_scale, d_v, deterministic=False, *, sort_rows=None):
+    """The whole SM90 backward, in the backend protocol's argument order: returns ``(dq, dkv,
+    d_sink)``, ``dq [T, H, d_qk]`` in q's dtype, ``dkv [S, d_qk]`` in kv's dtype (fp32 accumulation,
+    empty slots never written) and, when ``attn_sink [H]`` float32 is given, ``d_sink [H]`` float32
+    ``= -sum_t exp(sink - lse) * (dpsum - dlse)`` (else None). Inputs as :func:`backward_into`
+    (``dlse``, ``q_positions`` and ``attn_sink`` may be None; ``sort_rows`` keyword-only). With
+    ``deterministic``, dkv is accumulated in 64-bit fixed point (:func:`fixed_point_scale`) instead
+    of with float32 atomics, so that it is bitwise the same in every run (dq and d_sink always are:
+    no atomics); the accumulator then takes ``S * d_qk * 8`` bytes instead of 4.
 
     Raises:
         ValueError: as :func:`backward_into`.

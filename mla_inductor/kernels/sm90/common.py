@@ -1,8 +1,9 @@
-"""What the SM90 kernels (:mod:`.fwd`, :mod:`.bwd`, :mod:`.indexer`) share: the byte offsets
-of the 128-byte-swizzled tiles their producers fill with ``cp.async`` and the layouts and
-transposed views of such tiles that their wgmma operands take, the CuTe DSL
-target-architecture switch for compiling without a GPU, and the symbolic fake inputs the gather
-kernels compile against. It imports the CuTe DSL; what the launchers share is in :mod:`.host`.
+"""What the SM90 kernels share: the shared-memory limit of one CTA, the CuTe DSL type of each
+torch dtype they take, the byte offsets of the 128-byte-swizzled tiles their producers fill with
+``cp.async`` and the layouts and transposed views of such tiles that their wgmma operands take,
+the CuTe DSL target-architecture switch for compiling without a GPU, and the symbolic fake
+inputs the gather kernels compile against. It imports the CuTe DSL; what the launchers share is
+in :mod:`.host`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from cutlass import BFloat16, Float16, Float32, Int32
 from cutlass.cute.nvgpu import warpgroup
 
 SWIZZLE_CHUNK_ROWS = 64  # rows of one 64-column chunk of a swizzled tile
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on SM90
+# the CuTe DSL type of each 16-bit dtype the kernels take, by its torch name (the compile keys')
 TORCH_TO_CUTE = {"bfloat16": BFloat16, "float16": Float16}
 
 

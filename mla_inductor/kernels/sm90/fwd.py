@@ -110,10 +110,11 @@ import cutlass.utils.hopper_helpers as sm90_helpers
 from cutlass import BFloat16, Boolean, Float16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
+import torch
 
-from . import SUPPORTED_DIMS
-from .common import TORCH_TO_CUTE, fake_inputs, sw128_offset_bytes
-from .host import FWD_TILE_H, LN2, LOG2E
+from ...thresholds import MAX_RESCALE_THRESHOLD
+from .common import SMEM_LIMIT, TORCH_TO_CUTE, fake_inputs, sw128_offset_bytes
+from .host import FWD_TILE_H, LN2, LOG2E, SUPPORTED_DIMS
 from .ptx import cp_async_4, cp_async_16, cp_async_wait_all, create_policy, st_global_v4_b32
 
 TILE_H = FWD_TILE_H  # heads per tile (wgmma M)
@@ -128,7 +129,8 @@ BAR_P_A = 3  # A's P (rescaled to the final max) in shared memory
 BAR_P_B = 4  # B's P in shared memory
 BAR_EPILOGUE = 5  # partial row sums exchanged
 MAX_INIT = -1.0e30  # finite "minus infinity" of the running max: exp2(MAX_INIT - x) is 0, never NaN
-SMEM_LIMIT = 232448  # bytes of shared memory one CTA may use on SM90 (227 KiB)
+# q's torch dtype per CuTe dtype, for the bound on rescale_threshold
+_TORCH_DTYPE = {cute_dtype: getattr(torch, name) for name, cute_dtype in TORCH_TO_CUTE.items()}
 
 
 class SparseMlaFwdSm90:
@@ -141,9 +143,10 @@ class SparseMlaFwdSm90:
             raise TypeError(f"sm90 sparse-MLA forward supports bf16/fp16, got {dtype}")
         if (d_qk, d_v) not in SUPPORTED_DIMS:
             raise ValueError(f"need (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}")
-        max_exp = 127 if dtype is BFloat16 else 15
-        if not (0.0 <= rescale_threshold < max_exp):
-            raise ValueError(f"rescale_threshold {rescale_threshold} would overflow p in {dtype}")
+        bound = MAX_RESCALE_THRESHOLD[_TORCH_DTYPE[dtype]]
+        if not (0.0 <= rescale_threshold < bound):
+            raise ValueError(f"rescale_threshold must be >= 0 and below {bound:g} in {dtype} (p or "
+                             f"its row sums overflow past it), got {rescale_threshold}")
         self.dtype = dtype
         self.d_qk = d_qk
         self.d_v = d_v

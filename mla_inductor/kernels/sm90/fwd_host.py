@@ -8,12 +8,13 @@ does not have, so a process whose disk cache is warm never imports it (see
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
+from ...thresholds import EXACT_THRESHOLD, LAZY_THRESHOLD
 from ..cache import KernelCache
-from . import SUPPORTED_DIMS
-from .host import (FWD_TILE_H, LOG2E, compile_for_arch, contiguous_aligned,
+from .host import (FWD_TILE_H, LOG2E, SUPPORTED_DIMS, compile_for_arch, contiguous_aligned,
                    int32_contiguous)
 
 _CACHE = KernelCache("mla_sm90_fwd")
@@ -36,22 +37,43 @@ def get_kernel(key: tuple):
     return _CACHE.get(key, lambda: compile_for_arch("fwd", "compile_forward", key))
 
 
-def forward(q, kv, indices, topk_length, sm_scale, d_v, rescale_threshold, return_o_lo, *,
-            q_positions=None, attn_sink=None, return_max_logits=False):
-    """Sparse-MLA forward on SM90.
+def precompile_forward(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576,
+                       d_v: int = 512, thresholds=(EXACT_THRESHOLD, LAZY_THRESHOLD),
+                       o_lo=(False, True), topk_length=(False, True)) -> dict:
+    """Compiles the forward kernel for ``arch`` without a GPU, for every combination of
+    ``dtypes`` x ``thresholds`` x ``o_lo`` x ``topk_length``; returns ``{compile_key: fn}``
+    (also cached).
+
+    Raises:
+        ValueError: for an arch other than ``sm_90a``.
+    """
+    if arch != "sm_90a":
+        raise ValueError(f"sm90 forward: cannot compile for {arch!r}; use 'sm_90a'")
+    compiled = {}
+    for dtype, threshold, with_o_lo, with_len in itertools.product(dtypes, thresholds, o_lo,
+                                                                   topk_length):
+        key = compile_key(dtype, d_qk, d_v, threshold, with_o_lo, with_len, arch)
+        compiled[key] = get_kernel(key)
+    return compiled
+
+
+def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, rescale_threshold,
+            return_o_lo, return_max_logits=False):
+    """Sparse-MLA forward on SM90, in the backend protocol's argument order.
 
     Args:
         q: ``[T, H, d_qk]`` bf16/fp16 CUDA tensor, 1 <= H (any; padded to 64 inside).
         kv: ``[S, d_qk]`` (or ``[S, 1, d_qk]``), q's dtype.
         indices: ``[T, topk]`` int32; values < 0 or >= S are empty slots (never read).
         topk_length: ``[T]`` int32 or None; slots at positions >= topk_length[t] are empty.
-        sm_scale: softmax scale (float). d_v: 512. rescale_threshold: 0.0 (exact running max)
-            or a lazy threshold in log2 units (< 127 for bf16, < 15 for fp16).
-        return_o_lo: also return ``o_lo = float32(O) - out`` rounded to q's dtype.
         q_positions: ``[T]`` int32 or None; when given (causal masking), a slot whose index is
             greater than ``q_positions[t]`` is empty.
         attn_sink: ``[H]`` float32 or None: one logit per head (natural-log units, like
             ``sm_scale * q.k``) that joins the softmax denominator and has no value.
+        sm_scale: softmax scale (float). d_v: 512. rescale_threshold: 0.0 (exact running max)
+            or a lazy threshold in log2 units, below q's dtype's bound in
+            :data:`mla_inductor.thresholds.MAX_RESCALE_THRESHOLD`.
+        return_o_lo: also return ``o_lo = float32(O) - out`` rounded to q's dtype.
         return_max_logits: also return the true maximum of ``sm_scale * q.k`` over each row's
             valid slots (the sink not included; -inf for a row without one).
 

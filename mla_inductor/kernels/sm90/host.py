@@ -1,8 +1,9 @@
-"""What the SM90 launchers (:mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_host`) share
-with the kernels without the CuTe DSL: the natural-log / log2 constants, the forward's head
-tile, the dkv accumulator's interleave group, the host-side alignment and int32 form of inputs,
-and the one call through which a launcher compiles (and only then imports ``cutlass``).
-Importing it never imports ``cutlass``.
+"""What the SM90 launchers (the ``*_host`` modules) and the package's ``supports`` share with
+the kernels without the CuTe DSL: the problem sizes the kernels take (d_qk and d_v, the indexer
+target's and the lightning indexer's head dims and head tiles), the natural-log / log2
+constants, the forward's head tile, the dkv accumulator's interleave group, the host-side
+alignment and int32 form of inputs, and the one call through which a launcher compiles (and only
+then imports ``cutlass``). Importing it never imports ``cutlass``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,16 @@ LN2 = math.log(2.0)
 LOG2E = math.log2(math.e)
 FWD_TILE_H = 64  # heads per forward tile (one wgmma M); the persistent grid walks these tiles
 DKV_GROUP = 16  # the backward's dkv_accum columns are interleaved within aligned groups of 16
+
+# The problem sizes the kernels take (:func:`mla_inductor.kernels.sm90.supports`).
+SUPPORTED_DIMS = ((576, 512), (512, 512))  # (d_qk, d_v) of the forward and the backward
+INDEXER_D_QK = (576, 512)
+INDEXER_TILE_HEADS = (64, 128)  # the indexer kernel's wgmma N: the heads of one token, padded
+INDEXER_MAX_HEADS = INDEXER_TILE_HEADS[-1]
+LIGHTNING_D = 128  # the lightning indexer's head dim
+LIGHTNING_HEAD_TILES = (16, 32, 64)  # its score kernel's heads per token, padded
+LIGHTNING_TILE_N = 256  # its wgmma N: tokens x head tile
+LIGHTNING_MAX_HEADS = LIGHTNING_HEAD_TILES[-1]
 
 
 # Bits kept free above a fixed-point bound: the bound covers every partial sum, and a kernel's
@@ -53,7 +64,7 @@ def int32_contiguous(x: torch.Tensor | None) -> torch.Tensor | None:
 
 def compile_for_arch(kernel_module: str, compile_fn: str, key: tuple):
     """Compiles one kernel: ``compile_fn(*key[:-1])`` of the kernel module ``kernel_module``
-    (``"fwd"``, ``"bwd"``, ``"indexer"``), for the arch ``key[-1]`` (no GPU needed:
+    (a module of this package: ``"fwd"``, ``"bwd"``, ...), for the arch ``key[-1]`` (no GPU needed:
     :func:`.common.target_arch`). Importing the kernel module imports the CuTe DSL; a launcher
     calls this only on a kernel cache miss (:class:`..cache.KernelCache`). Returns the compiled
     function (called with the launcher's tensors and a stream).

@@ -1,4 +1,4 @@
-"""The SM90 lightning indexer: the score kernel (:mod:`.lightning_host`; bf16, fp16, or
+"""The SM90 lightning indexer: the score kernel (:mod:`.lightning_every_key_host`; bf16, fp16, or
 float8_e4m3fn with q_scale and k_scale) and the top-k select (:mod:`.topk_host`, the same for
 every dtype: it reads the fp32 scores) composed over chunks of rows with one bounded score
 buffer.
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from . import LIGHTNING_D as D
+from .host import LIGHTNING_D as D
 from .host import contiguous_aligned
-from .lightning_host import scores as score_chunk
-from .lightning_host import tokens_per_tile
+from .lightning_every_key_host import scores as score_chunk
+from .lightning_every_key_host import tokens_per_tile
 
 BUFFER_BYTES = 1 << 30
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from cutlass import Float32, Int32, Int64
+from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -108,7 +109,7 @@ def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
 
 @dsl_user_op
 def st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None) -> None:
-    """``st.shared.b32``."""
+    """``st.shared.b32``, no clobber (:func:`st_shared_b32_ordered` has a ``memory`` one)."""
     _asm("st.shared.b32 [$0], $1;", "r,r", (Int32(addr), Int32(v)), loc=loc, ip=ip)
 
 
@@ -212,3 +213,86 @@ def f32_from_e4m3(x: Int32, byte: int, *, loc=None, ip=None) -> Float32:
                         "cvt.rn.f16x2.e4m3x2 p, t;\nmov.b32 {h0, h1}, p;\n"
                         f"cvt.f32.f16 $0, h{byte};\n}}", "=f,r", (Int32(x),), T.f32(),
                         loc=loc, ip=ip))
+
+
+def _asm_v4(ptx: str, constraints: str, operands, *, loc=None, ip=None):
+    """:func:`_asm` with four 32-bit results, as a list of ``Int32``."""
+    res = _asm(ptx, constraints, operands, ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>"),
+               loc=loc, ip=ip)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def ld_global_v4(addr: Int64, *, loc=None, ip=None):
+    """``ld.global.nc.v4.b32``: four words from a 16-byte aligned global address."""
+    return _asm_v4("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+                   [Int64(addr)], loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ld_shared_v4(addr: Int32, *, loc=None, ip=None):
+    """``ld.shared.v4.b32``: four words from a 16-byte aligned shared address."""
+    return _asm_v4("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+                   [Int32(addr)], loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_shared_v4(addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None):
+    """``st.shared.v4.b32`` to a 16-byte aligned shared address."""
+    _asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}",
+         [Int32(addr), Int32(a), Int32(b), Int32(c), Int32(d)], loc=loc, ip=ip)
+
+
+@dsl_user_op
+def st_shared_b32_ordered(addr: Int32, v: Int32, *, loc=None, ip=None):
+    """``st.shared.b32`` with a ``memory`` clobber (unlike :func:`st_shared_b32`): the compiler
+    keeps every other memory access on its side of the store (the top-k select's shared-memory
+    words are read back through other inline PTX)."""
+    _asm("st.shared.b32 [$0], $1;", "r,r,~{memory}", [Int32(addr), Int32(v)], loc=loc, ip=ip)
+
+
+@dsl_user_op
+def atom_shared_add(addr: Int32, v: Int32, *, loc=None, ip=None) -> Int32:
+    """``atom.shared.add.u32 [addr], v``: the previous value."""
+    return Int32(_asm("atom.shared.add.u32 $0, [$1], $2;", "=r,r,r,~{memory}",
+                      [Int32(addr), Int32(v)], T.i32(), loc=loc, ip=ip))
+
+
+@dsl_user_op
+def red_shared_add_1(addr: Int32, *, loc=None, ip=None):
+    """``red.shared.add.u32 [addr], 1``."""
+    _asm("red.shared.add.u32 [$0], 1;", "r,~{memory}", [Int32(addr)], loc=loc, ip=ip)
+
+
+@dsl_user_op
+def red_shared_or(addr: Int32, v: Int32, *, loc=None, ip=None):
+    """``red.shared.or.b32 [addr], v``."""
+    _asm("red.shared.or.b32 [$0], $1;", "r,r,~{memory}", [Int32(addr), Int32(v)], loc=loc,
+         ip=ip)
+
+
+@dsl_user_op
+def st_shared_v2(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None):
+    """``st.shared.v2.b32`` to an 8-byte aligned shared address."""
+    _asm("st.shared.v2.b32 [$0], {$1, $2};", "r,r,r,~{memory}",
+         [Int32(addr), Int32(a), Int32(b)], loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ge_or_nan(x: Int32, t: Int32, *, loc=None, ip=None) -> Int32:
+    """1 when the float with bits ``x`` is at least the float with bits ``t`` or either is NaN
+    (``setp.geu.f32``), else 0."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(x).ir_value(loc=loc, ip=ip), Int32(t).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred p; .reg .f32 a, b; mov.b32 a, $1; mov.b32 b, $2; "
+        "setp.geu.f32 p, a, b; selp.u32 $0, 1, 0, p; }", "=r,r,r", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def popc(x: Int32, *, loc=None, ip=None) -> Int32:
+    """``popc.b32``: the number of set bits."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)],
+                                 "popc.b32 $0, $1;", "=r,r", has_side_effects=False,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))

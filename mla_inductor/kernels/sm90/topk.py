@@ -148,11 +148,11 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .ptx import _asm, ld_global_nc_b32, ld_shared_b32, st_global_b32
+from .common import SMEM_LIMIT
+from .ptx import (atom_shared_add, ge_or_nan, ld_global_nc_b32, ld_global_v4, ld_shared_b32,
+                  ld_shared_v4, popc, red_shared_add_1, red_shared_or, st_global_b32,
+                  st_shared_b32_ordered, st_shared_v2, st_shared_v4)
 
 BINS = 2048  # histogram bins (the widest digit, 11 bits)
 DIGITS = ((21, 0x7FF), (10, 0x7FF), (0, 0x3FF))  # (shift, mask) of the three digits
@@ -164,95 +164,6 @@ SAMPLE = 8  # the guess samples one 16-byte vector in SAMPLE
 MIN_MARGIN = 256  # the guess aims at topk + max(topk / 4, MIN_MARGIN) candidates
 NEG_INF_BITS = -0x800000  # 0xff800000, -inf
 KEY_NEG_INF = NEG_INF_BITS ^ 0x7FFFFFFF  # order_key(-inf); keys below it are negative NaNs'
-SMEM_LIMIT = 227 * 1024
-
-
-# ------------------------------------------------------------------------------------------------
-# inline PTX
-# ------------------------------------------------------------------------------------------------
-
-def _v4(ptx: str, constraints: str, operands, *, loc=None, ip=None):
-    res = _asm(ptx, constraints, operands, ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>"),
-               loc=loc, ip=ip)
-    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-def _stmt(ptx: str, constraints: str, operands, *, loc=None, ip=None):
-    _asm(ptx, constraints, operands, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ld_global_v4(addr: Int64, *, loc=None, ip=None):
-    """``ld.global.nc.v4.b32``: four words from a 16-byte aligned global address."""
-    return _v4("ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-               [Int64(addr)], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ld_shared_v4(addr: Int32, *, loc=None, ip=None):
-    """``ld.shared.v4.b32``: four words from a 16-byte aligned shared address."""
-    return _v4("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
-               [Int32(addr)], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def st_shared_v4(addr: Int32, a: Int32, b: Int32, c: Int32, d: Int32, *, loc=None, ip=None):
-    """``st.shared.v4.b32`` to a 16-byte aligned shared address."""
-    _stmt("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}",
-          [Int32(addr), Int32(a), Int32(b), Int32(c), Int32(d)], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def st_shared_b32(addr: Int32, v: Int32, *, loc=None, ip=None):
-    """``st.shared.b32``."""
-    _stmt("st.shared.b32 [$0], $1;", "r,r,~{memory}", [Int32(addr), Int32(v)], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def atom_shared_add(addr: Int32, v: Int32, *, loc=None, ip=None) -> Int32:
-    """``atom.shared.add.u32 [addr], v``: the previous value."""
-    return Int32(_asm("atom.shared.add.u32 $0, [$1], $2;", "=r,r,r,~{memory}",
-                      [Int32(addr), Int32(v)], T.i32(), loc=loc, ip=ip))
-
-
-@dsl_user_op
-def red_shared_add_1(addr: Int32, *, loc=None, ip=None):
-    """``red.shared.add.u32 [addr], 1``."""
-    _stmt("red.shared.add.u32 [$0], 1;", "r,~{memory}", [Int32(addr)], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def red_shared_or(addr: Int32, v: Int32, *, loc=None, ip=None):
-    """``red.shared.or.b32 [addr], v``."""
-    _stmt("red.shared.or.b32 [$0], $1;", "r,r,~{memory}", [Int32(addr), Int32(v)], loc=loc,
-          ip=ip)
-
-
-@dsl_user_op
-def st_shared_v2(addr: Int32, a: Int32, b: Int32, *, loc=None, ip=None):
-    """``st.shared.v2.b32`` to an 8-byte aligned shared address."""
-    _stmt("st.shared.v2.b32 [$0], {$1, $2};", "r,r,r,~{memory}",
-          [Int32(addr), Int32(a), Int32(b)], loc=loc, ip=ip)
-
-
-@dsl_user_op
-def ge_or_nan(x: Int32, t: Int32, *, loc=None, ip=None) -> Int32:
-    """1 when the float with bits ``x`` is at least the float with bits ``t`` or either is NaN
-    (``setp.geu.f32``), else 0."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(x).ir_value(loc=loc, ip=ip), Int32(t).ir_value(loc=loc, ip=ip)],
-        "{ .reg .pred p; .reg .f32 a, b; mov.b32 a, $1; mov.b32 b, $2; "
-        "setp.geu.f32 p, a, b; selp.u32 $0, 1, 0, p; }", "=r,r,r", has_side_effects=False,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def popc(x: Int32, *, loc=None, ip=None) -> Int32:
-    """``popc.b32``: the number of set bits."""
-    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)],
-                                 "popc.b32 $0, $1;", "=r,r", has_side_effects=False,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-                                 loc=loc, ip=ip))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -391,7 +302,7 @@ class TopkSelectSm90:
         eq_s = sel_s + n_words * 4
         if fits:
             for w in cutlass.range(tidx, 2 * n_words, nt, unroll=1):
-                st_shared_b32(sel_s + w * 4, Int32(0))
+                st_shared_b32_ordered(sel_s + w * 4, Int32(0))
         cute.arch.sync_threads()
         # vectors of the cached row, padded with sentinels to whole tiles
         npv = (n + self.tile - 1) // self.tile * (self.tile // VEC)
@@ -544,9 +455,9 @@ class TopkSelectSm90:
             for i in cutlass.range_constexpr(2 * BINS // nt):
                 sHist[i * nt + tidx] = Int32(0)
             if tidx == 0:
-                st_shared_b32(count_s, Int32(0))
+                st_shared_b32_ordered(count_s, Int32(0))
             for w in cutlass.range(tidx, 2 * n_words, nt, unroll=1):
-                st_shared_b32(sel_s + w * 4, Int32(0))
+                st_shared_b32_ordered(sel_s + w * 4, Int32(0))
             cute.arch.sync_threads()
             # the candidates: every element at or above the guess; a thread's hits of a batch
             # in a bit mask, one shared-memory atomic per warp and batch for their room
@@ -655,7 +566,7 @@ class TopkSelectSm90:
         wpre_s = eq_s
         w0, w1, first = self._words_first(sel_s, n_words, 1, sWarp, tidx, lane, warp)
         for w in cutlass.range(w0, w1, 1, unroll=1):
-            st_shared_b32(wpre_s + w * 4, first)
+            st_shared_b32_ordered(wpre_s + w * 4, first)
             first = first + popc(ld_shared_b32(sel_s + w * 4))
         cute.arch.sync_threads()
         stage_s = hist_a  # both histograms: BINS slots of (index, bits)
@@ -812,7 +723,7 @@ class TopkSelectSm90:
                 ties = ties ^ low
                 rank = rank + 1
             if take != 0:
-                st_shared_b32(sel_s + w * 4, ld_shared_b32(sel_s + w * 4) | take)
+                st_shared_b32_ordered(sel_s + w * 4, ld_shared_b32(sel_s + w * 4) | take)
 
     @cute.jit
     def _emit(self, sel_s, n_words, topk, stage_s, row, row_s, idx_row, score_row, sWarp, tidx,

@@ -23,9 +23,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from .logs import log
-
-EXACT = 0.0
-LAZY = 8.0
+from .thresholds import EXACT_THRESHOLD, LAZY_THRESHOLD
 
 _warned_override = False
 _logged: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
@@ -57,13 +55,13 @@ def decide(q: torch.Tensor, kv: torch.Tensor, rescale_threshold: Optional[float]
     )
     if rescale_threshold is not None:
         decision = Decision(float(rescale_threshold), needs_backward, "explicit rescale_threshold")
-        if needs_backward and decision.rescale_threshold != EXACT:
+        if needs_backward and decision.rescale_threshold != EXACT_THRESHOLD:
             _warn_override(decision.rescale_threshold)
     elif needs_backward:
-        decision = Decision(EXACT, True, "a backward graph consumes this forward")
+        decision = Decision(EXACT_THRESHOLD, True, "a backward graph consumes this forward")
     else:
         why = "grad mode is off" if not torch.is_grad_enabled() else "no input requires grad"
-        decision = Decision(LAZY, False, f"inference: {why}")
+        decision = Decision(LAZY_THRESHOLD, False, f"inference: {why}")
     _log_capture(decision)
     return decision
 

@@ -1,7 +1,8 @@
-"""Host side of the SM90 lightning-indexer score kernel (the kernel is :mod:`.lightning`; bf16,
-fp16 and float8_e4m3fn, whose q_scale and k_scale it passes on): the head tile, the key split,
-the static compile key, the kernel cache and the launch on torch's current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory, then
-disk) does not have (see :mod:`mla_inductor.kernels.cache`).
+"""Host side of the SM90 lightning-indexer score kernel for every key (the kernel is
+:mod:`.lightning_every_key`; bf16, fp16 and float8_e4m3fn, whose q_scale and k_scale it passes
+on): the head tile, the key split, the static compile key, the kernel cache and the launch on
+torch's current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory,
+then disk) does not have (see :mod:`mla_inductor.kernels.cache`).
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from ..cache import KernelCache
-from . import LIGHTNING_D as D
-from . import LIGHTNING_HEAD_TILES as HEAD_TILES
-from . import LIGHTNING_TILE_N as TILE_N
+from .host import LIGHTNING_D as D
+from .host import LIGHTNING_HEAD_TILES as HEAD_TILES
+from .host import LIGHTNING_TILE_N as TILE_N
 from .host import compile_for_arch
 
 _CACHE = KernelCache("mla_sm90_lightning_scores")
@@ -48,7 +49,7 @@ def compile_key(dtype: torch.dtype, head_tile: int, causal: bool, arch: str = "s
 def get_kernel(key: tuple):
     """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now
     for the key's arch (no GPU needed: :func:`.host.compile_for_arch`)."""
-    return _CACHE.get(key, lambda: compile_for_arch("lightning", "compile_scores", key))
+    return _CACHE.get(key, lambda: compile_for_arch("lightning_every_key", "compile_scores", key))
 
 
 def precompile_scores(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), heads=(64,),
@@ -87,7 +88,7 @@ def key_split(n_tiles: int, S: int, num_sms: int) -> tuple[int, int]:
 def scores(q, k, weights, row_len, buf, b0: int, t0: int, n_tok: int, n_batch: int,
            q_scale=None, k_scale=None) -> None:
     """Writes the scores of one chunk of rows into ``buf`` (the module docstring of
-    :mod:`.lightning`): the tokens ``[t0, t0 + n_tok)`` of the batch elements
+    :mod:`.lightning_every_key`): the tokens ``[t0, t0 + n_tok)`` of the batch elements
     ``[b0, b0 + n_batch)`` (so flattened rows ``r0 = b0 T + t0`` on, contiguous: ``n_batch > 1``
     only with ``t0 = 0, n_tok = T``).
 

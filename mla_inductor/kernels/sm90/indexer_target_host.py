@@ -1,7 +1,7 @@
-"""Host side of the SM90 indexer target (the kernel is :mod:`.indexer`): argument checks, the
-head tile, output allocation, the static compile key, the kernel cache and the launch on torch's
-current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory, then
-disk) does not have, so a process whose disk cache is warm never imports it (see
+"""Host side of the SM90 indexer target (the kernel is :mod:`.indexer_target_kernel`): argument
+checks, the head tile, output allocation, the static compile key, the kernel cache and the launch on
+torch's current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory,
+then disk) does not have, so a process whose disk cache is warm never imports it (see
 :mod:`mla_inductor.kernels.cache`).
 """
 
@@ -12,8 +12,8 @@ import math
 import torch
 
 from ..cache import KernelCache
-from . import INDEXER_D_QK as D_QK
-from . import INDEXER_TILE_HEADS as TILE_HEADS
+from .host import INDEXER_D_QK as D_QK
+from .host import INDEXER_TILE_HEADS as TILE_HEADS
 from .host import LOG2E, compile_for_arch, contiguous_aligned, int32_contiguous
 
 _CACHE = KernelCache("mla_sm90_indexer_target")
@@ -42,7 +42,7 @@ def get_kernel(key: tuple):
     """Compiled kernel for ``key`` (see :func:`compile_key`), from the cache or compiled now
     for the key's arch (no GPU needed; only compiling imports the CuTe DSL:
     :func:`.host.compile_for_arch`)."""
-    return _CACHE.get(key, lambda: compile_for_arch("indexer", "compile_target", key))
+    return _CACHE.get(key, lambda: compile_for_arch("indexer_target_kernel", "compile_target", key))
 
 
 def precompile_target(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: int = 576,
@@ -66,8 +66,9 @@ def precompile_target(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,), d_qk: i
     return compiled
 
 
-def indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale):
-    """The indexer's training target on SM90 (the module docstring of :mod:`.indexer`).
+def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
+    """The indexer's training target on SM90 (the module docstring of
+    :mod:`.indexer_target_kernel`), in the backend protocol's argument order.
 
     Args:
         q: ``[T, H, d_qk]`` bf16/fp16 CUDA tensor, 1 <= H <= 128, d_qk 576 or 512.
@@ -76,6 +77,7 @@ def indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale):
         topk_length: ``[T]`` int32 or None; slots at positions >= topk_length[t] are empty.
         q_positions: ``[T]`` int32 or None; a slot whose index is greater than
             ``q_positions[t]`` is empty.
+        attn_sink: not read: the sink is inside ``lse``.
         lse: ``[T, H]`` float32, the forward's natural-log lse (the sink included).
         sm_scale: the forward's softmax scale (float).
 
@@ -86,6 +88,7 @@ def indexer_target(q, kv, indices, topk_length, q_positions, lse, sm_scale):
         ValueError / TypeError: unsupported shapes, head counts, widths, device or dtypes.
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
+    del attn_sink
     if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2 or lse.dim() != 2:
         raise ValueError("sparse_mla: sm90 indexer target needs q [T, H, d_qk], kv [S, d_qk], "
                          "indices [T, topk], lse [T, H]")

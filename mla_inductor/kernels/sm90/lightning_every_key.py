@@ -182,9 +182,9 @@ from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int32, Int64, cons
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from . import LIGHTNING_D as D
-from . import LIGHTNING_HEAD_TILES as HEAD_TILES
-from . import LIGHTNING_TILE_N as TILE_N
+from .host import LIGHTNING_D as D
+from .host import LIGHTNING_HEAD_TILES as HEAD_TILES
+from .host import LIGHTNING_TILE_N as TILE_N
 from .common import SWIZZLE_CHUNK_ROWS, TORCH_TO_CUTE, sw128_offset_bytes
 from .ptx import (cp_async_4, cp_async_16, cp_async_wait_all, create_policy, e4m3x2_from_f32,
                   f32_bits, f32_from_bits, f32_from_e4m3, ld_shared_b32, max_nan, relu_nan,
@@ -194,7 +194,6 @@ TILE_KEYS = 64  # keys per block (wgmma M)
 STAGES = 8  # key blocks in the ring
 NUM_THREADS = 384
 REGS_PRODUCER, REGS_CONSUMER = 40, 232  # 40 + 2 x 232 = 3 x 168 (the launch allocation)
-SMEM_LIMIT = 227 * 1024
 W_PAD = 4  # floats of padding after each quad lane's row of weights (bank groups)
 BAR_TURN = 1  # named barriers BAR_TURN + role: "consumer `role` may issue its next block"
 BAR_CONSUMERS = 3  # named barrier of the two consumer warpgroups (the linear term's set-up)
@@ -780,7 +779,7 @@ class LightningScoresSm90:
 
 
 # ------------------------------------------------------------------------------------------------
-# compiling (the launcher is in lightning_host.py)
+# compiling (the launcher is in lightning_every_key_host.py)
 # ------------------------------------------------------------------------------------------------
 
 def compile_scores(dtype_name: str, head_tile: int, causal: bool):

@@ -1,5 +1,5 @@
 """Host side of the SM90 lightning-indexer scores at the selected slots (the kernels are
-:mod:`.lightning_scores`): argument checks, the static compile keys, the kernel cache, the
+:mod:`.lightning_selected_slots`): argument checks, the static compile keys, the kernel cache, the
 launches on torch's current stream, the dk accumulator (float32 with interleaved columns, or
 int64 fixed point under deterministic algorithms) and its conversion to k's dtype. No host
 synchronisation anywhere, so every call can be captured in a CUDA graph once its kernel is
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..cache import KernelCache
-from . import LIGHTNING_D as D
-from . import LIGHTNING_MAX_HEADS as MAX_HEADS
+from .host import LIGHTNING_D as D
+from .host import LIGHTNING_MAX_HEADS as MAX_HEADS
 from .bwd_host import dkv_from_accum
 from .host import compile_for_arch, contiguous_aligned, fixed_point_scale_for
 
@@ -40,7 +40,7 @@ def get_kernel(key: tuple):
         CompileDuringCaptureError: on a cache miss during CUDA-graph capture.
     """
     fn_name = "compile_forward" if key[0] == "forward" else "compile_backward"
-    return _CACHE.get(key, lambda: compile_for_arch("lightning_scores", fn_name, key[1:]))
+    return _CACHE.get(key, lambda: compile_for_arch("lightning_selected_slots", fn_name, key[1:]))
 
 
 def precompile_scores(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,),
@@ -96,7 +96,7 @@ def _flat(q, k, weights, indices):
 def forward(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
             indices: torch.Tensor) -> torch.Tensor:
     """``scores [B, T, topk]`` float32, contiguous (the module docstring of
-    :mod:`.lightning_scores`; exactly 0 on empty slots).
+    :mod:`.lightning_selected_slots`; exactly 0 on empty slots).
 
     Args:
         q: ``[B, T, H, D]`` bf16/fp16 CUDA tensor, D = 128, 1 <= H <= 64.

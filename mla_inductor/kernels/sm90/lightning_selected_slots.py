@@ -1,6 +1,6 @@
 """The lightning indexer's scores at the selected slots, forward and backward, for Hopper (SM90a),
 written in CuTe DSL (the op :mod:`mla_inductor.lightning_scores`; launchers in
-:mod:`.lightning_scores_host`).
+:mod:`.lightning_selected_slots_host`).
 
 For the flattened rows ``r = b * T + t`` (``q [R, H, D]``, ``weights [R, H]`` float32,
 ``indices [R, topk]`` int32 local to batch element ``b``, ``k [B S, D]``), with
@@ -64,7 +64,7 @@ Design
 * One compiled kernel serves every B, T, H <= 64, S and topk (symbolic); the compile key is the
   dtype (and, for the backward, whether it is deterministic).
 
-The design follows this package's lightning-indexer score kernel (:mod:`.lightning`: the
+The design follows this package's lightning-indexer score kernel (:mod:`.lightning_every_key`: the
 transposed product, the in-quad head sum) and sparse-MLA backward (:mod:`.bwd`: the gathered
 key blocks, the swizzled ``dS`` tile, the interleaved dk accumulator and its reds, the 64-bit
 fixed point).
@@ -101,7 +101,6 @@ BWD_STAGES = 4  # backward: 16 + 8 + 4 x 16 KiB (+ 1 KiB), two CTAs per SM
 FP16_DS_EXPONENT = 14  # float16 dS is scaled per row into [2**13, 2**14) at its largest
 TILE_BYTES = TILE_KEYS * D * 2  # one key block (and the Q tile) in shared memory
 DS_BYTES = TILE_KEYS * HEAD_TILE * 2  # the dS^T tile
-SMEM_LIMIT = 227 * 1024
 _K_STEPS = D // 16
 
 
@@ -564,7 +563,7 @@ class LightningScoresBackwardSm90(_ScoresTile):
 
 
 # ------------------------------------------------------------------------------------------------
-# compiling (the launchers are in lightning_scores_host.py)
+# compiling (the launchers are in lightning_selected_slots_host.py)
 # ------------------------------------------------------------------------------------------------
 
 def _per_row(dtype, n_rows, inner: tuple, align: int):

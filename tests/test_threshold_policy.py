@@ -14,7 +14,8 @@ from expecttest import assert_expected_inline
 from torch._dynamo.testing import AotEagerAndRecordGraphs, CompileCounterWithBackend, normalize_gm
 from torch.utils.checkpoint import checkpoint
 
-from mla_inductor import logs, policy, sparse_mla
+from mla_inductor import logs, sparse_mla
+from mla_inductor import threshold_policy as policy
 from mla_inductor.kernels import reference
 
 T, H, D, S, K, DV = 8, 4, 32, 16, 6, 16

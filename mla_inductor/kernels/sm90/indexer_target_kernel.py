@@ -90,9 +90,9 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from . import INDEXER_D_QK as D_QK
-from . import INDEXER_TILE_HEADS as TILE_HEADS
-from .common import TORCH_TO_CUTE, fake_inputs, sw128_offset_bytes
+from .host import INDEXER_D_QK as D_QK
+from .host import INDEXER_TILE_HEADS as TILE_HEADS
+from .common import SMEM_LIMIT, TORCH_TO_CUTE, fake_inputs, sw128_offset_bytes
 from .host import LOG2E
 from .ptx import cp_async_16, cp_async_wait_all, create_policy
 
@@ -100,7 +100,6 @@ TILE_KEYS = 64  # gathered keys per block (wgmma M)
 CHUNK = 64  # columns per ring slot (one 128-byte swizzle atom of 2-byte elements)
 NUM_THREADS = 384
 REGS_PRODUCER, REGS_CONSUMER = 56, 224  # see the forward: 168 - 56 = 2 x (224 - 168)
-SMEM_LIMIT = 227 * 1024  # per CTA on SM90
 BAR_TOTAL = 1  # the consumers' partial sums exchanged (named barrier, 256 threads)
 NORM_UNROLL = 8  # slots per consumer thread per step of the normalisation pass
 
@@ -418,7 +417,7 @@ class IndexerTargetSm90:
 
 
 # ------------------------------------------------------------------------------------------------
-# compiling (the launcher is in indexer_host.py)
+# compiling (the launcher is in indexer_target_host.py)
 # ------------------------------------------------------------------------------------------------
 
 def compile_target(dtype_name: str, d_qk: int, tile_heads: int, has_topk_length: bool,
