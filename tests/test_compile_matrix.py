@@ -4,7 +4,7 @@ Python numbers passed as constants, call arguments or module attributes. Each ce
 gradients equal eager bitwise on the reference backend (inductor: see :func:`_matches`), and the number of graphs Dynamo keeps is
 the one PyTorch's shape rules give. ``torch.export`` with dynamic T and S for each op.
 
-The cases are keyed by public function; :func:`test_every_registered_op_is_in_the_matrix` lists
+The cases are keyed by public function (and the transformers integration's own op); :func:`test_every_registered_op_is_in_the_matrix` lists
 the ops the package registers (``mla_inductor::*``) and fails on one that no case reaches, so a
 new op cannot land outside the matrix.
 """
@@ -24,6 +24,7 @@ from torch._dynamo.utils import counters
 from torch.export import Dim
 
 import mla_inductor
+from mla_inductor.integrations.transformers import head_matmul  # registers its op
 
 TS = (5, 7, 9)  # the token counts each cell runs, in order
 S = 12  # the key count (export varies it too)
@@ -90,6 +91,13 @@ def _scores_inputs(T: int, S: int = S) -> dict:
     return x
 
 
+def _head_matmul_inputs(T: int, S: int = S) -> dict:
+    g = _gen(T)
+    return dict(x=torch.randn(T, H, D, generator=g).requires_grad_(),
+                w=torch.randn(H, D, D_V, generator=g).requires_grad_(),
+                tail=torch.randn(T, H, 8, generator=g).requires_grad_())
+
+
 CASES = {
     "sparse_mla": Case(
         mla_inductor.sparse_mla, _attention_inputs,
@@ -113,6 +121,10 @@ CASES = {
     "lightning_indexer_scores": Case(
         mla_inductor.lightning_indexer_scores, _scores_inputs, numbers={}, fixed={},
         dynamic=dict(q=0, weights=0, indices=0), keys=("k",)),
+    # the transformers integration's absorbed per-head products (an op it registers)
+    "head_matmul": Case(
+        head_matmul.head_matmul, _head_matmul_inputs, numbers={}, fixed={},
+        dynamic=dict(x=0, tail=0)),
     "quantize_fp8": Case(
         mla_inductor.quantize_fp8, lambda T, S=S: dict(x=torch.randn(T, H, D, generator=_gen(T))),
         numbers={}, fixed={}, dynamic=dict(x=0)),
