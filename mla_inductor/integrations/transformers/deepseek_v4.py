@@ -62,6 +62,7 @@ from .visibility import Visibility, dense_seen
 
 LAYERS = (_v4.DeepseekV4Attention,)
 INDEXER_LOSS = False
+VISIBILITY = True  # apply sets ATTN_IMPLEMENTATION: the model builds no dense mask
 NO_INDEXER_LOSS = (
     "DeepSeek-V4's indexer picks compressed entries, and the indexer loss implemented here is "
     "DeepSeek-V3.2's KL over selected tokens; transformers' V4 trains no indexer loss either. "
