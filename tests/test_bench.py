@@ -54,7 +54,8 @@ def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
     run = [sys.executable, "-m", "mla_inductor.bench"]
     shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0
-    assert "{fwd,bwd,train,indexer,lightning,lightning-scores,hf,hf-v4,dist,start}" in shown.stdout
+    assert ("{fwd,bwd,train,indexer,lightning,lightning-scores,hf,hf-v4,hf-glm5-next,dist,start}"
+            in shown.stdout)
     wrong = subprocess.run([*run, "fw"], capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "invalid choice: 'fw'" in wrong.stderr
 
@@ -66,7 +67,7 @@ def test_cli_exits_with_reason_without_sm90(what):
         cli.main([what, "--T", "128"])
     # the subcommands with a CPU smoke test say so
     assert ("--tiny runs a small smoke test on the CPU" in str(exited.value)) == (
-        what in ("hf", "hf-v4", "dist", "start", "lightning"))
+        what in ("hf", "hf-v4", "hf-glm5-next", "dist", "start", "lightning"))
 
 
 def test_lightning_tiny_runs_the_op_and_agreement_counts_shared_keys(capsys):
@@ -347,6 +348,72 @@ def test_hf_v4_tiny_modes_agree():
             ours = sparse_mla(q, kv, indices, **kwargs)
             theirs = flex.flex_sparse_mla(q, kv, indices, **kwargs)
         assert rel_l2(theirs, ours) <= 1e-5, layer
+
+
+def test_hf_glm5_next_tiny_prints_every_row_breakdown_and_json_on_the_cpu(capsys, tmp_path):
+    """The tiny GLM-5.3-Flash layer's table (the compiled mode is left to the next test), its
+    breakdown (pooling, slots, indexer, attention, projections) and the indexer-alone rows, and
+    the same rows written as JSON."""
+    pytest.importorskip("transformers.models.glm5_next")
+    import json
+
+    path = tmp_path / "glm5_next.json"
+    cli.main(["hf-glm5-next", "--tiny", "--T", "64", "--warmup", "1", "--iters", "2",
+              "--modes", "eager", "sdpa", "patched", "--breakdown", "--json", str(path)])
+    out = capsys.readouterr().out
+    table = out.split("# One transformers Glm5NextTextAttention layer ")[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[3:]
+            if line.startswith("|")]
+    assert [r[1].split(",")[0] for r in rows] == [
+        "eager", "sdpa", "patched", "patched", "transformers' indexer alone (fwd)",
+        "pooled indexer alone (fwd)"]
+    for row in rows[:3] + rows[4:]:
+        assert float(row[2]) > 0 and row[3] == "-"
+    parts = dict(re.findall(r"([a-z]+) (-?\d+\.\d)", rows[3][1].split("ms:")[1]))
+    assert set(parts) >= {"pooling", "slots", "indexer", "attention", "projections", "busy"}
+    assert float(parts["indexer"]) > 0 and float(parts["attention"]) > 0
+    report = json.loads(path.read_text())
+    assert [r["mode"] for r in report["rows"]] == [r[1] for r in rows[:3] + rows[4:]]
+    assert [r["ms"] for r in report["rows"]] == pytest.approx([float(r[2]) for r in rows[:3] +
+                                                               rows[4:]], abs=0.06)
+    assert report["breakdown"][0]["ms"]["attention"] > 0
+
+
+def test_hf_glm5_next_tiny_modes_agree():
+    """The tiny GLM-5.3-Flash layer's output and input gradient, sdpa, patched and compiled
+    against eager (float32, the integration's tolerances); FlexAttention's forward on the patched
+    layer's slots against the op's (FlexAttention has no CPU backward)."""
+    pytest.importorskip("transformers.models.glm5_next")
+    from mla_inductor import sparse_mla
+    from mla_inductor.bench import flex, hf_glm5_next
+    from mla_inductor.integrations.transformers import glm5_next
+
+    attn = hf_glm5_next.build_layer(hf_glm5_next.TINY, 4, torch.device("cpu"), torch.float32)
+    inputs = hf_glm5_next.make_inputs(attn, 130)
+    found, calls = {}, []
+    for mode in ("eager", "sdpa", "patched", "compiled"):
+        with hf_glm5_next.layer_mode(attn, mode):
+            op = glm5_next.sparse_mla
+            if mode == "patched":
+                glm5_next.sparse_mla = lambda *a, **k: calls.append((a, k)) or op(*a, **k)
+            layer = torch.compile(attn, fullgraph=True) if mode == "compiled" else attn
+            try:
+                out = layer(hidden_states=inputs.hidden_states,
+                            attention_mask=inputs.attention_mask)[0]
+            finally:
+                glm5_next.sparse_mla = op
+        grad, = torch.autograd.grad(out, inputs.hidden_states, inputs.grad_output)
+        found[mode] = out.detach(), grad
+    assert len(calls) == 1
+    for mode in ("sdpa", "patched", "compiled"):
+        assert rel_l2(found[mode][0], found["eager"][0]) <= 1e-5, mode
+        assert rel_l2(found[mode][1], found["eager"][1]) <= 1e-4, mode
+    (q, kv, indices), kwargs = calls[0]
+    assert indices.shape == (1, 130, 16 + 3) and kwargs["topk_length"] is not None
+    with torch.no_grad():
+        ours = sparse_mla(q.detach(), kv.detach(), indices, **kwargs)
+        theirs = flex.flex_sparse_mla(q.detach(), kv.detach(), indices, **kwargs)
+    assert rel_l2(theirs, ours) <= 1e-5
 
 
 def test_flex_selection_bitmap_names_exactly_the_valid_slots():
