@@ -379,6 +379,7 @@ def test_hf_glm5_next_tiny_prints_every_row_breakdown_and_json_on_the_cpu(capsys
     assert report["breakdown"][0]["ms"]["attention"] > 0
 
 
+@pytest.mark.slow
 def test_hf_glm5_next_tiny_modes_agree():
     """The tiny GLM-5.3-Flash layer's output and input gradient, sdpa, patched and compiled
     against eager (float32, the integration's tolerances); FlexAttention's forward on the patched
@@ -414,6 +415,51 @@ def test_hf_glm5_next_tiny_modes_agree():
         ours = sparse_mla(q.detach(), kv.detach(), indices, **kwargs)
         theirs = flex.flex_sparse_mla(q.detach(), kv.detach(), indices, **kwargs)
     assert rel_l2(theirs, ours) <= 1e-5
+
+
+def test_hf_glm5_next_anchors_count_the_layers_own_flops(monkeypatch):
+    """The breakdown's anchors on the tiny layer at T 256 on the CPU, every timer returning 1 ms:
+    the attention's FLOPs on the valid slots (``min(4, (t + 1) // 4)`` pools of 4 keys plus the
+    ``(t + 1) % 4`` tail keys a token), the pooled indexer's on the visible (token, pool) pairs,
+    and DeepSeek-V3.2's attention at the largest T / 2**k that fits (an out-of-memory above 64
+    tokens here)."""
+    pytest.importorskip("transformers.models.glm5_next")
+    from mla_inductor.bench import hf_glm5_next, hf_v4
+
+    def one_ms(fn, grad_to_none=None):
+        fn()
+        return 1.0
+
+    tried = []
+
+    def v32(T):
+        tried.append(T)
+        if T > 64:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+        return dict(slots_per_token=2048, fwd_ms=1.0, fwd_tflops=500.0, bwd_ms=1.0,
+                    bwd_tflops=400.0)
+
+    monkeypatch.setattr(hf_v4, "time_ms", one_ms)
+    monkeypatch.setattr(hf_glm5_next, "time_ms", one_ms)
+    monkeypatch.setattr(hf_glm5_next, "v32_rates", v32)
+    attn = hf_glm5_next.build_layer(hf_glm5_next.TINY, 4, torch.device("cpu"), torch.float32)
+    inputs = hf_glm5_next.make_inputs(attn, 256)
+    with hf_glm5_next.layer_mode(attn, "patched"):
+        def step():
+            out = attn(hidden_states=inputs.hidden_states, attention_mask=inputs.attention_mask)[0]
+            out.backward(inputs.grad_output)
+
+        found = hf_glm5_next.anchors(step, 256)
+    t = torch.arange(256)
+    slots = (((t + 1) // 4).clamp(max=4) * 4 + (t + 1) % 4).sum().item()
+    pairs = ((t + 1) // 4).sum().item()
+    assert found["attention"]["slots_per_token"] == slots / 256
+    assert found["attention"]["fwd_tflops"] == pytest.approx(2 * 4 * slots * (32 + 32) / 1e9)
+    assert found["attention"]["bwd_tflops"] == pytest.approx(2 * 4 * slots * (3 * 32 + 2 * 32) / 1e9)
+    assert found["indexer"]["tflops"] == pytest.approx(2 * 32 * 16 * pairs / 1e9)
+    assert found["indexer_v32"]["tflops"] == pytest.approx(2 * 64 * 16 * pairs / 1e9)
+    assert tried == [256, 128, 64] and found["attention_v32"]["T"] == 64
+    assert len(found["lines"]) == 4 and "pooled / V3.2 rate 0.50" in found["lines"][3]
 
 
 def test_flex_selection_bitmap_names_exactly_the_valid_slots():

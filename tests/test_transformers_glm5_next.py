@@ -222,6 +222,7 @@ def _layer_call(model, layer: int):
     return layers[layer], x, kwargs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", [1, 2], ids=["full", "shared"])
 def test_decoder_layer_compiles_fullgraph(layer):
     """A switched decoder layer under torch.compile(fullgraph=True) (a graph break raises),
@@ -238,6 +239,7 @@ def test_decoder_layer_compiles_fullgraph(layer):
     assert_compiled_matches_eager(block, run)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported,
                    reason="sparse_mla checks a symbolic sm_scale with math.isfinite "
                           "(mla_inductor.api._sm_scale), which Dynamo cannot trace")

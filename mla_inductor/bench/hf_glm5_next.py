@@ -39,7 +39,8 @@ wall``; then the anchors, each in the same process:
 - the attention op alone on the patched step's own inputs: forward and backward TFLOPS on the
   valid slots (``2·H·n_valid·(d_qk + d_v)`` forward, ``2·H·n_valid·(3·d_qk + 2·d_v)`` backward),
   and the same at DeepSeek-V3.2's shapes and T (H 128, d_qk 576, d_v 512, topk 2048, random
-  indices, S = T); their ratio is the attention's share of the V3.2 kernels' rate;
+  indices, S = T; at the largest T / 2**k that fits where T does not); their ratio is the
+  attention's share of the V3.2 kernels' rate;
 - the lightning indexer alone on the patched step's own call (32 heads over the T/kpool pooled
   keys, topk 2048/kpool, each token's pools up to ``(t + 1) // kpool - 1``), TFLOPS on the
   visible (token, pool) pairs (``2·H·D`` each; the top-k's time included), and the same at
@@ -68,7 +69,7 @@ from typing import NamedTuple
 import torch
 
 from .hf import _cells, breakdown, measure
-from .hf_v4 import op_tflops, v32_tflops
+from .hf_v4 import op_rates, v32_rates
 from .problems import require_sm90, require_transformers, run_threads
 from .timing import time_ms
 
@@ -234,30 +235,56 @@ def indexer_tflops(q, k, weights, topk: int, q_positions) -> tuple[float, float]
 
 
 def anchors(step, T: int) -> dict:
-    """The breakdown's anchors (module docstring) on the patched ``step()``'s own op calls, each
-    a line of text, keyed ``attention``, ``attention at V3.2's shapes``, ``pooled indexer``,
-    ``indexer at V3.2's configuration``."""
+    """The breakdown's anchors (module docstring) on the patched ``step()``'s own op calls:
+    ``{"attention": op_rates, "attention_v32": op_rates and its T, "indexer": ms and TFLOPS,
+    "indexer_v32": the same, "lines": the lines of text the table prints}``."""
     calls = captured_calls(step)
-    (q, kv, indices), kwargs = calls["sparse_mla"]
     (iq, ik, iw, topk), ikw = calls["lightning_indexer"]
     positions = ikw["q_positions"]
+    args, kwargs = calls.pop("sparse_mla")
+    ours = op_rates(*args, **kwargs)
+    del args, kwargs  # the layer's q and o (GiBs at long T) before V3.2's problem is made
+    v32, v32_T = _fitting(v32_rates, T)
     ms, tflops = indexer_tflops(iq, ik, iw, topk, positions)
-    gen = torch.Generator(device="cuda").manual_seed(1)
+    gen = torch.Generator(device=iq.device).manual_seed(1)
     H, D = V32_INDEXER["heads"], iq.shape[-1]
-    vq = torch.randn(1, T, H, D, device="cuda", generator=gen).to(iq.dtype)
-    vk = torch.randn_like(ik)
-    vw = torch.randn(1, T, H, device="cuda", generator=gen) * H**-0.5
+    vq = torch.randn(1, T, H, D, device=iq.device, generator=gen).to(iq.dtype)
+    vk = torch.randn(ik.shape, device=iq.device, generator=gen).to(ik.dtype)
+    vw = torch.randn(1, T, H, device=iq.device, generator=gen) * H**-0.5
     v32_ms, v32_tflops_ = indexer_tflops(vq, vk, vw, V32_INDEXER["topk"], positions)
-    return {
-        "attention": "attention op alone: " + op_tflops(q, kv, indices, **kwargs),
-        "attention at V3.2's shapes": v32_tflops(T),
-        "pooled indexer": (f"pooled indexer alone ({iq.shape[-2]} heads over {ik.shape[-2]} "
-                           f"pools, topk {topk}): {ms:.2f} ms ({tflops:.0f} TFLOPS)"),
-        "indexer at V3.2's configuration": (
-            f"lightning indexer at V3.2's configuration ({H} heads, topk "
-            f"{V32_INDEXER['topk']}) over the same {T} x {ik.shape[-2]}: {v32_ms:.2f} ms "
-            f"({v32_tflops_:.0f} TFLOPS); pooled / V3.2 rate {tflops / v32_tflops_:.2f}"),
-    }
+
+    def rates(r):
+        return (f"{r['slots_per_token']:.0f} valid slots per token, forward {r['fwd_ms']:.2f} ms "
+                f"({r['fwd_tflops']:.0f} TFLOPS), backward {r['bwd_ms']:.2f} ms "
+                f"({r['bwd_tflops']:.0f} TFLOPS)")
+
+    lines = [
+        "attention op alone: " + rates(ours),
+        (f"the op at DeepSeek-V3.2's shapes (T {v32_T}, H 128, d_qk 576, d_v 512, topk 2048, "
+         f"random): {rates(v32)}; attention / V3.2 rate: forward "
+         f"{ours['fwd_tflops'] / v32['fwd_tflops']:.2f}, backward "
+         f"{ours['bwd_tflops'] / v32['bwd_tflops']:.2f}"),
+        (f"pooled indexer alone ({iq.shape[-2]} heads over {ik.shape[-2]} pools, topk {topk}): "
+         f"{ms:.2f} ms ({tflops:.0f} TFLOPS)"),
+        (f"lightning indexer at V3.2's configuration ({H} heads, topk {V32_INDEXER['topk']}) "
+         f"over the same {T} x {ik.shape[-2]}: {v32_ms:.2f} ms ({v32_tflops_:.0f} TFLOPS); "
+         f"pooled / V3.2 rate {tflops / v32_tflops_:.2f}"),
+    ]
+    return {"attention": ours, "attention_v32": dict(v32, T=v32_T),
+            "indexer": {"ms": ms, "tflops": tflops},
+            "indexer_v32": {"ms": v32_ms, "tflops": v32_tflops_}, "lines": lines}
+
+
+def _fitting(fn, T: int) -> tuple:
+    """``(fn(n), n)`` for ``n = T``, or where that runs out of GPU memory (DeepSeek-V3.2's
+    attention at T 131072 holds about 75 GB) the largest ``T / 2**k`` that fits."""
+    n = T
+    while True:
+        try:
+            return fn(n), n
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            n //= 2
 
 
 def bench_hf_glm5_next(Ts, kpool: int = 4, tiny: bool = False, warmup: int = 2, iters: int = 5,
@@ -349,7 +376,7 @@ def bench_hf_glm5_next(Ts, kpool: int = 4, tiny: bool = False, warmup: int = 2, 
                 f"{name} {ms:.1f}" for name, ms in part.items()) +
                 f"; busy / wall {part['busy'] / results[mode].ms:.2f} | | | |", flush=True)
             report["breakdown"].append({"T": T, "mode": mode, "unit": unit, "ms": part})
-        for line in extra.values():
+        for line in extra.get("lines", ()):
             print(f"| {T} | {line} | | | |", flush=True)
         if extra:
             report["anchors"].append({"T": T, **extra})
