@@ -69,7 +69,7 @@ from typing import NamedTuple
 import torch
 
 from .hf import _cells, breakdown, measure
-from .hf_v4 import op_rates, v32_rates
+from .hf_v4 import op_rates, rates_line, v32_rates
 from .problems import require_sm90, require_transformers, run_threads
 from .timing import time_ms
 
@@ -252,16 +252,10 @@ def anchors(step, T: int) -> dict:
     vk = torch.randn(ik.shape, device=iq.device, generator=gen).to(ik.dtype)
     vw = torch.randn(1, T, H, device=iq.device, generator=gen) * H**-0.5
     v32_ms, v32_tflops_ = indexer_tflops(vq, vk, vw, V32_INDEXER["topk"], positions)
-
-    def rates(r):
-        return (f"{r['slots_per_token']:.0f} valid slots per token, forward {r['fwd_ms']:.2f} ms "
-                f"({r['fwd_tflops']:.0f} TFLOPS), backward {r['bwd_ms']:.2f} ms "
-                f"({r['bwd_tflops']:.0f} TFLOPS)")
-
     lines = [
-        "attention op alone: " + rates(ours),
+        "attention op alone: " + rates_line(ours),
         (f"the op at DeepSeek-V3.2's shapes (T {v32_T}, H 128, d_qk 576, d_v 512, topk 2048, "
-         f"random): {rates(v32)}; attention / V3.2 rate: forward "
+         f"random): {rates_line(v32)}; attention / V3.2 rate: forward "
          f"{ours['fwd_tflops'] / v32['fwd_tflops']:.2f}, backward "
          f"{ours['bwd_tflops'] / v32['bwd_tflops']:.2f}"),
         (f"pooled indexer alone ({iq.shape[-2]} heads over {ik.shape[-2]} pools, topk {topk}): "

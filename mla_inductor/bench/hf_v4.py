@@ -193,8 +193,12 @@ def labelled_parts():
 
 
 def op_tflops(q, kv, indices, **kwargs) -> str:
-    """:func:`op_rates` as one line of text."""
-    r = op_rates(q, kv, indices, **kwargs)
+    """:func:`op_rates` as one line of text (:func:`rates_line`)."""
+    return rates_line(op_rates(q, kv, indices, **kwargs))
+
+
+def rates_line(r: dict) -> str:
+    """One line of text from :func:`op_rates`'s dict."""
     return (f"{r['slots_per_token']:.0f} valid slots per token, forward {r['fwd_ms']:.2f} ms "
             f"({r['fwd_tflops']:.0f} TFLOPS), backward {r['bwd_ms']:.2f} ms "
             f"({r['bwd_tflops']:.0f} TFLOPS)")
