@@ -54,7 +54,8 @@ def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
     run = [sys.executable, "-m", "mla_inductor.bench"]
     shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0
-    assert "{fwd,bwd,train,indexer,lightning,lightning-scores,hf,hf-v4,dist,start}" in shown.stdout
+    assert ("{fwd,bwd,train,indexer,lightning,lightning-scores,hf,hf-v4,hf-glm5-next,dist,start}"
+            in shown.stdout)
     wrong = subprocess.run([*run, "fw"], capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "invalid choice: 'fw'" in wrong.stderr
 
@@ -66,7 +67,7 @@ def test_cli_exits_with_reason_without_sm90(what):
         cli.main([what, "--T", "128"])
     # the subcommands with a CPU smoke test say so
     assert ("--tiny runs a small smoke test on the CPU" in str(exited.value)) == (
-        what in ("hf", "hf-v4", "dist", "start", "lightning"))
+        what in ("hf", "hf-v4", "hf-glm5-next", "dist", "start", "lightning"))
 
 
 def test_lightning_tiny_runs_the_op_and_agreement_counts_shared_keys(capsys):
@@ -347,6 +348,118 @@ def test_hf_v4_tiny_modes_agree():
             ours = sparse_mla(q, kv, indices, **kwargs)
             theirs = flex.flex_sparse_mla(q, kv, indices, **kwargs)
         assert rel_l2(theirs, ours) <= 1e-5, layer
+
+
+def test_hf_glm5_next_tiny_prints_every_row_breakdown_and_json_on_the_cpu(capsys, tmp_path):
+    """The tiny GLM-5.3-Flash layer's table (the compiled mode is left to the next test), its
+    breakdown (pooling, slots, indexer, attention, projections) and the indexer-alone rows, and
+    the same rows written as JSON."""
+    pytest.importorskip("transformers.models.glm5_next")
+    import json
+
+    path = tmp_path / "glm5_next.json"
+    cli.main(["hf-glm5-next", "--tiny", "--T", "64", "--warmup", "1", "--iters", "2",
+              "--modes", "eager", "sdpa", "patched", "--breakdown", "--json", str(path)])
+    out = capsys.readouterr().out
+    table = out.split("# One transformers Glm5NextTextAttention layer ")[1]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[3:]
+            if line.startswith("|")]
+    assert [r[1].split(",")[0] for r in rows] == [
+        "eager", "sdpa", "patched", "patched", "transformers' indexer alone (fwd)",
+        "pooled indexer alone (fwd)"]
+    for row in rows[:3] + rows[4:]:
+        assert float(row[2]) > 0 and row[3] == "-"
+    parts = dict(re.findall(r"([a-z]+) (-?\d+\.\d)", rows[3][1].split("ms:")[1]))
+    assert set(parts) >= {"pooling", "slots", "indexer", "attention", "projections", "busy"}
+    assert float(parts["indexer"]) > 0 and float(parts["attention"]) > 0
+    report = json.loads(path.read_text())
+    assert [r["mode"] for r in report["rows"]] == [r[1] for r in rows[:3] + rows[4:]]
+    assert [r["ms"] for r in report["rows"]] == pytest.approx([float(r[2]) for r in rows[:3] +
+                                                               rows[4:]], abs=0.06)
+    assert report["breakdown"][0]["ms"]["attention"] > 0
+
+
+@pytest.mark.slow
+def test_hf_glm5_next_tiny_modes_agree():
+    """The tiny GLM-5.3-Flash layer's output and input gradient, sdpa, patched and compiled
+    against eager (float32, the integration's tolerances); FlexAttention's forward on the patched
+    layer's slots against the op's (FlexAttention has no CPU backward)."""
+    pytest.importorskip("transformers.models.glm5_next")
+    from mla_inductor import sparse_mla
+    from mla_inductor.bench import flex, hf_glm5_next
+    from mla_inductor.integrations.transformers import glm5_next
+
+    attn = hf_glm5_next.build_layer(hf_glm5_next.TINY, 4, torch.device("cpu"), torch.float32)
+    inputs = hf_glm5_next.make_inputs(attn, 130)
+    found, calls = {}, []
+    for mode in ("eager", "sdpa", "patched", "compiled"):
+        with hf_glm5_next.layer_mode(attn, mode):
+            op = glm5_next.sparse_mla
+            if mode == "patched":
+                glm5_next.sparse_mla = lambda *a, **k: calls.append((a, k)) or op(*a, **k)
+            layer = torch.compile(attn, fullgraph=True) if mode == "compiled" else attn
+            try:
+                out = layer(hidden_states=inputs.hidden_states,
+                            attention_mask=inputs.attention_mask)[0]
+            finally:
+                glm5_next.sparse_mla = op
+        grad, = torch.autograd.grad(out, inputs.hidden_states, inputs.grad_output)
+        found[mode] = out.detach(), grad
+    assert len(calls) == 1
+    for mode in ("sdpa", "patched", "compiled"):
+        assert rel_l2(found[mode][0], found["eager"][0]) <= 1e-5, mode
+        assert rel_l2(found[mode][1], found["eager"][1]) <= 1e-4, mode
+    (q, kv, indices), kwargs = calls[0]
+    assert indices.shape == (1, 130, 16 + 3) and kwargs["topk_length"] is not None
+    with torch.no_grad():
+        ours = sparse_mla(q.detach(), kv.detach(), indices, **kwargs)
+        theirs = flex.flex_sparse_mla(q.detach(), kv.detach(), indices, **kwargs)
+    assert rel_l2(theirs, ours) <= 1e-5
+
+
+def test_hf_glm5_next_anchors_count_the_layers_own_flops(monkeypatch):
+    """The breakdown's anchors on the tiny layer at T 256 on the CPU, every timer returning 1 ms:
+    the attention's FLOPs on the valid slots (``min(4, (t + 1) // 4)`` pools of 4 keys plus the
+    ``(t + 1) % 4`` tail keys a token), the pooled indexer's on the visible (token, pool) pairs,
+    and DeepSeek-V3.2's attention at the largest T / 2**k that fits (an out-of-memory above 64
+    tokens here)."""
+    pytest.importorskip("transformers.models.glm5_next")
+    from mla_inductor.bench import hf_glm5_next, hf_v4
+
+    def one_ms(fn, grad_to_none=None):
+        fn()
+        return 1.0
+
+    tried = []
+
+    def v32(T):
+        tried.append(T)
+        if T > 64:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+        return dict(slots_per_token=2048, fwd_ms=1.0, fwd_tflops=500.0, bwd_ms=1.0,
+                    bwd_tflops=400.0)
+
+    monkeypatch.setattr(hf_v4, "time_ms", one_ms)
+    monkeypatch.setattr(hf_glm5_next, "time_ms", one_ms)
+    monkeypatch.setattr(hf_glm5_next, "v32_rates", v32)
+    attn = hf_glm5_next.build_layer(hf_glm5_next.TINY, 4, torch.device("cpu"), torch.float32)
+    inputs = hf_glm5_next.make_inputs(attn, 256)
+    with hf_glm5_next.layer_mode(attn, "patched"):
+        def step():
+            out = attn(hidden_states=inputs.hidden_states, attention_mask=inputs.attention_mask)[0]
+            out.backward(inputs.grad_output)
+
+        found = hf_glm5_next.anchors(step, 256)
+    t = torch.arange(256)
+    slots = (((t + 1) // 4).clamp(max=4) * 4 + (t + 1) % 4).sum().item()
+    pairs = ((t + 1) // 4).sum().item()
+    assert found["attention"]["slots_per_token"] == slots / 256
+    assert found["attention"]["fwd_tflops"] == pytest.approx(2 * 4 * slots * (32 + 32) / 1e9)
+    assert found["attention"]["bwd_tflops"] == pytest.approx(2 * 4 * slots * (3 * 32 + 2 * 32) / 1e9)
+    assert found["indexer"]["tflops"] == pytest.approx(2 * 32 * 16 * pairs / 1e9)
+    assert found["indexer_v32"]["tflops"] == pytest.approx(2 * 64 * 16 * pairs / 1e9)
+    assert tried == [256, 128, 64] and found["attention_v32"]["T"] == 64
+    assert len(found["lines"]) == 4 and "pooled / V3.2 rate 0.50" in found["lines"][3]
 
 
 def test_flex_selection_bitmap_names_exactly_the_valid_slots():

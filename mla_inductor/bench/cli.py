@@ -1,32 +1,33 @@
 """The command ``python -m mla_inductor.bench
-{fwd,bwd,train,indexer,lightning,lightning-scores,hf,hf-v4,dist,start} [flags]``: one argument parser
-with a subcommand per benchmark module (:data:`SUBCOMMANDS`); ``--help`` works at every level."""
+{fwd,bwd,train,indexer,lightning,lightning-scores,hf,hf-v4,hf-glm5-next,dist,start} [flags]``: one
+argument parser with a subcommand per benchmark module (:data:`SUBCOMMANDS`); ``--help`` works at
+every level."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Optional
 
-from . import bwd, dist, fwd, hf, hf_v4, indexer, lightning, lightning_scores, start, train
+from . import (bwd, dist, fwd, hf, hf_glm5_next, hf_v4, indexer, lightning, lightning_scores,
+               start, train)
 
 SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer": indexer,
                "lightning": lightning, "lightning-scores": lightning_scores, "hf": hf, "hf-v4": hf_v4,
-               "dist": dist, "start": start}
+               "hf-glm5-next": hf_glm5_next, "dist": dist, "start": start}
 
 
-_MORE = (" What each column measures, and the measured tables: docs/benchmarks.md in the "
-         "repository.")
+_MORE = (" The measured tables and the command of each: docs/performance.md in the repository.")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser: each subcommand's help is the first line of its module's docstring, its
-    description that line and a pointer to docs/benchmarks.md (where the module's docstring's
-    long explanation is written out for users), its flags the module's ``add_arguments``."""
+    description that line and a pointer to docs/performance.md (the measured tables and how each
+    is reproduced; the module's docstring says what its columns measure), its flags the module's ``add_arguments``."""
     parser = argparse.ArgumentParser(
         prog="python -m mla_inductor.bench",
         description="Benchmarks of the sparse-MLA kernels on the current GPU (SM90); lightning, "
-        "hf, hf-v4, dist and start also run a small smoke test on the CPU with --tiny. Each "
-        "subcommand prints a markdown table; `<subcommand> --help` lists its flags.",
+        "hf, hf-v4, hf-glm5-next, dist and start also run a small smoke test on the CPU with "
+        "--tiny. Each subcommand prints a markdown table; `<subcommand> --help` lists its flags.",
     )
     sub = parser.add_subparsers(dest="command", required=True,
                                 metavar="{" + ",".join(SUBCOMMANDS) + "}")

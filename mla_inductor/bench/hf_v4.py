@@ -193,13 +193,25 @@ def labelled_parts():
 
 
 def op_tflops(q, kv, indices, **kwargs) -> str:
-    """``sparse_mla(q, kv, indices, **kwargs)`` alone on CUDA, as one line of text: the valid
-    slots per token, forward and backward milliseconds (medians of ``triton.testing.do_bench``;
-    the backward: dq and dkv from a fixed random output gradient) and their TFLOPS on the valid
-    slots (module docstring). ``q [..., T, H, d_qk]``, ``kv [..., S, d_qk]`` (bf16 / fp16),
-    ``indices [..., T, topk]`` int32, ``kwargs`` as :func:`mla_inductor.sparse_mla` takes them
-    (``d_v`` default ``d_qk``); a slot counts when ``0 <= index < S`` and it lies below
-    ``topk_length``. Errors are the op's."""
+    """:func:`op_rates` as one line of text (:func:`rates_line`)."""
+    return rates_line(op_rates(q, kv, indices, **kwargs))
+
+
+def rates_line(r: dict) -> str:
+    """One line of text from :func:`op_rates`'s dict."""
+    return (f"{r['slots_per_token']:.0f} valid slots per token, forward {r['fwd_ms']:.2f} ms "
+            f"({r['fwd_tflops']:.0f} TFLOPS), backward {r['bwd_ms']:.2f} ms "
+            f"({r['bwd_tflops']:.0f} TFLOPS)")
+
+
+def op_rates(q, kv, indices, **kwargs) -> dict:
+    """``sparse_mla(q, kv, indices, **kwargs)`` alone on CUDA: ``{"slots_per_token", "fwd_ms",
+    "fwd_tflops", "bwd_ms", "bwd_tflops"}``, the valid slots per token, forward and backward
+    milliseconds (medians of ``triton.testing.do_bench``; the backward: dq and dkv from a fixed
+    random output gradient) and their TFLOPS on the valid slots (module docstring). ``q [..., T,
+    H, d_qk]``, ``kv [..., S, d_qk]`` (bf16 / fp16), ``indices [..., T, topk]`` int32, ``kwargs``
+    as :func:`mla_inductor.sparse_mla` takes them (``d_v`` default ``d_qk``); a slot counts when
+    ``0 <= index < S`` and it lies below ``topk_length``. Errors are the op's."""
     from mla_inductor import sparse_mla
 
     q, kv = q.detach().requires_grad_(), kv.detach().requires_grad_()
@@ -216,9 +228,8 @@ def op_tflops(q, kv, indices, **kwargs) -> str:
     bwd = time_ms(lambda: torch.autograd.grad(out, (q, kv), grad, retain_graph=True))
     f_fwd = 2 * H * n_valid * (d_qk + d_v)
     f_bwd = 2 * H * n_valid * (3 * d_qk + 2 * d_v)
-    return (f"{n_valid / q.shape[-3]:.0f} valid slots per token, forward {fwd:.2f} ms "
-            f"({f_fwd / fwd / 1e9:.0f} TFLOPS), backward {bwd:.2f} ms "
-            f"({f_bwd / bwd / 1e9:.0f} TFLOPS)")
+    return {"slots_per_token": n_valid / q.shape[-3], "fwd_ms": fwd,
+            "fwd_tflops": f_fwd / fwd / 1e9, "bwd_ms": bwd, "bwd_tflops": f_bwd / bwd / 1e9}
 
 
 def attention_op_tflops(step) -> str:
@@ -238,16 +249,26 @@ def attention_op_tflops(step) -> str:
 
 
 def v32_tflops(T: int = 16384) -> str:
-    """:func:`op_tflops` at DeepSeek-V3.2's attention shapes, the bar the V4 shapes are held to:
-    H 128, ``(d_qk, d_v) = (576, 512)``, topk 2048, S = T keys, random indices, no sink, bf16,
-    batch 1, on CUDA (about 2.5 GiB of inputs at T 16384); :func:`op_tflops`'s line, prefixed
-    with the shape."""
+    """:func:`op_tflops` at DeepSeek-V3.2's attention shapes, the bar the V4 shapes are held to
+    (:func:`v32_rates`); the line prefixed with the shape."""
+    return (f"the op at DeepSeek-V3.2's shapes (T {T}, H 128, d_qk 576, d_v 512, topk 2048, "
+            "random): " + op_tflops(*v32_problem(T), sm_scale=D_QK**-0.5, d_v=D_V))
+
+
+def v32_rates(T: int = 16384) -> dict:
+    """:func:`op_rates` at DeepSeek-V3.2's attention shapes: H 128, ``(d_qk, d_v) = (576,
+    512)``, topk 2048, S = T keys, random indices, no sink, bf16, batch 1, on CUDA (about 2.5
+    GiB of inputs at T 16384)."""
+    return op_rates(*v32_problem(T), sm_scale=D_QK**-0.5, d_v=D_V)
+
+
+def v32_problem(T: int) -> tuple:
+    """``(q [1, T, 128, 576], kv [1, T, 576], indices [1, T, 2048])``, seeded, bf16 on CUDA:
+    DeepSeek-V3.2's attention shapes with random indices."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, T, 128, D_QK, device="cuda", dtype=torch.bfloat16, generator=gen)
     kv = torch.randn(1, T, D_QK, device="cuda", dtype=torch.bfloat16, generator=gen)
-    indices = make_indices(T, T, 2048, "random", gen)[None]
-    return (f"the op at DeepSeek-V3.2's shapes (T {T}, H 128, d_qk 576, d_v 512, topk 2048, "
-            "random): " + op_tflops(q, kv, indices, sm_scale=D_QK**-0.5, d_v=D_V))
+    return q, kv, make_indices(T, T, 2048, "random", gen)[None]
 
 
 def bench_hf_v4(Ts, layer: str, tiny: bool = False, warmup: int = 2, iters: int = 5,

@@ -8,13 +8,17 @@ returns the indexer loss that ``apply(model, indexer_loss=True)`` records. One m
 - :mod:`.deepseek_v32`: DeepSeek-V3.2 (``models/deepseek_v32``) and GLM-5
   (``models/glm_moe_dsa``): DSA in the absorbed MLA form;
 - :mod:`.deepseek_v4`: DeepSeek-V4 (``models/deepseek_v4``): sliding-window, compressed sparse
-  (CSA) and heavily compressed (HCA) attention.
+  (CSA) and heavily compressed (HCA) attention;
+- :mod:`.glm5_next`: GLM-5.3-Flash (``models/glm5_next``): its DSA layers (``indexed_attention``,
+  MLA without RoPE, an indexer over pooled keys) in the absorbed form.
 
 The parts they share: :mod:`.visibility` (the attention implementation under which the model
-builds token positions and key padding instead of its dense mask), :mod:`.indexer` (a DSA
-indexer's top-k on :func:`mla_inductor.lightning_indexer`), :mod:`.loss` (DeepSeek-V3.2's
-indexer KL loss), :mod:`.head_matmul` (the absorbed form's per-head GEMMs) and :mod:`.arguments`
-(the checks of a switched layer's call). Tested with transformers 5.24 (the ``transformers``
+builds token positions and key padding instead of its dense mask, and the gather of the keys a
+padding mask leaves), :mod:`.indexer` (a DSA indexer's top-k on
+:func:`mla_inductor.lightning_indexer`), :mod:`.pooling` (entries pooled from consecutive tokens
+and which a token sees), :mod:`.loss` (DeepSeek-V3.2's indexer KL loss, also over pools),
+:mod:`.head_matmul` (the absorbed form's per-head GEMMs) and :mod:`.arguments` (the checks of a
+switched layer's call). Tested with transformers 5.24 (the ``transformers``
 extra pins ``>=5.24,<5.25``: the attention classes are transformers internals).
 """
 
@@ -26,7 +30,7 @@ from typing import Iterator
 
 from torch import Tensor, nn
 
-from . import deepseek_v4, deepseek_v32
+from . import deepseek_v4, deepseek_v32, glm5_next
 from . import loss as _loss
 from .indexer import check_precision, set_precision
 from .visibility import ATTN_IMPLEMENTATION, drop_visibility, use_visibility
@@ -34,8 +38,10 @@ from .visibility import ATTN_IMPLEMENTATION, drop_visibility, use_visibility
 __all__ = ["ATTN_IMPLEMENTATION", "apply", "indexer_loss", "remove", "switched"]
 
 # The model families: each module's LAYERS (the attention classes it switches), forward (the
-# switched layer's forward) and INDEXER_LOSS (whether apply's indexer_loss option covers it).
-_FAMILIES = (deepseek_v32, deepseek_v4)
+# switched layer's forward), INDEXER_LOSS (whether apply's indexer_loss option covers it) and
+# VISIBILITY (whether apply sets ATTN_IMPLEMENTATION, so that the model builds what
+# :mod:`.visibility` describes instead of its dense mask).
+_FAMILIES = (deepseek_v32, deepseek_v4, glm5_next)
 _FAMILY = {cls: family for family in _FAMILIES for cls in family.LAYERS}
 _FORWARDS = tuple(family.forward for family in _FAMILIES)
 
@@ -50,8 +56,8 @@ def _attention_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         raise ValueError(
             f"mla_inductor: {type(model).__name__} has no DSA attention layer (transformers' "
             f"{', '.join(cls.__name__ for cls in _FAMILY)}); pass a model of "
-            "models/deepseek_v32, models/glm_moe_dsa or models/deepseek_v4 (DeepSeek-V3.2, GLM-5, "
-            "DeepSeek-V4)"
+            "models/deepseek_v32, models/glm_moe_dsa, models/deepseek_v4 or models/glm5_next "
+            "(DeepSeek-V3.2, GLM-5, DeepSeek-V4, GLM-5.3-Flash)"
         )
     return layers
 
@@ -86,7 +92,10 @@ def apply(model: nn.Module, *, indexer_loss: bool = False, indexer_precision: st
     a ``*ForCausalLM``) to :func:`mla_inductor.sparse_mla`: DeepSeek-V3.2's
     ``DeepseekV32Attention`` and GLM-5's ``GlmMoeDsaAttention`` (:mod:`.deepseek_v32`: the
     absorbed MLA form), DeepSeek-V4's ``DeepseekV4Attention`` (:mod:`.deepseek_v4`: the sliding
-    window and the compressed entries as the op's slots).
+    window and the compressed entries as the op's slots), GLM-5.3-Flash's
+    ``Glm5NextTextAttention`` (:mod:`.glm5_next`: every ``indexed_attention`` layer, its pooled
+    indexer on :func:`mla_inductor.lightning_indexer`; the linear-attention layers stay
+    transformers').
 
     Each layer keeps its own parameters and submodules (nothing is copied or added to the state
     dict); its softmax scale, its indexer, its compressors and the model's attention mask
@@ -102,17 +111,19 @@ def apply(model: nn.Module, *, indexer_loss: bool = False, indexer_precision: st
     mask over the keys (O(B·S + T); :mod:`.visibility`). Packed sequences (position_ids that
     restart, no mask, no cache) get transformers' dense bool mask, as does a model whose attention
     implementation is set to another one after ``apply`` (sdpa, eager); the family modules say
-    what each does with it.
+    what each does with it. GLM-5.3-Flash's model passes its layers the 2D padding mask, not a
+    dense one: its attention implementation is left as it is.
 
     ``indexer_loss=True`` also trains the indexers of DeepSeek-V3.2 and GLM-5 with DeepSeek-V3.2's
-    KL loss (off by default; off, the forward is exactly the one without the option): each
+    KL loss, and GLM-5.3-Flash's with the same KL over its selected pools (off by default; off,
+    the forward is exactly the one without the option): each
     forward of a layer with its own indexer, in training mode with grad enabled, records it
     (:mod:`.loss`), and :func:`indexer_loss` returns it for the training loop to add. The
     option is set on every switched layer of ``model`` by each call (a later ``apply(model)``
     turns it off again).
 
     ``indexer_precision="fp8"`` makes every indexer (DeepSeek-V3.2's, GLM-5's, DeepSeek-V4's CSA
-    one) select on its queries and keys quantised per row to float8_e4m3fn with one float32
+    one, GLM-5.3-Flash's over its pooled keys) select on its queries and keys quantised per row to float8_e4m3fn with one float32
     scale each (:func:`mla_inductor.quantize_fp8`: DeepSeek-V3.2-Exp's inference code quantises
     them so), :func:`mla_inductor.lightning_indexer` with ``q_scale`` and ``k_scale``; the
     indexer loss's logits stay those of the unquantised queries and keys. ``"bf16"`` (the
@@ -127,8 +138,9 @@ def apply(model: nn.Module, *, indexer_loss: bool = False, indexer_precision: st
             ``indexer_precision`` other than ``"bf16"`` and ``"fp8"``.
         RuntimeError: a layer's ``forward`` is already replaced on the instance (accelerate's
             hooks), which switching would drop. At call time: ``attention_dropout > 0`` while
-            training, a missing attention mask (``None``), a GLM-5 shared-top-k layer called
-            without ``prev_topk_indices``, :func:`sparse_mla`'s own checks, and with
+            training, a missing attention mask (``None``; for GLM-5.3-Flash also one that is
+            not the 2D padding mask ``[B, T]``), a GLM-5 or GLM-5.3-Flash shared-top-k layer
+            called without ``prev_topk_indices``, :func:`sparse_mla`'s own checks, and with
             ``indexer_loss`` a training forward with grad over a cache that held earlier tokens.
     """
     switched = len(_apply(model, indexer_loss, indexer_precision))
@@ -141,7 +153,7 @@ def _set_options(layers, indexer_loss: bool, indexer_precision: str) -> None:
     for attn in layers:
         _loss.enable(attn, indexer_loss)
         set_precision(attn, indexer_precision)
-    use_visibility(layers)
+    use_visibility([attn for attn in layers if _FAMILY[type(attn)].VISIBILITY])
 
 
 def indexer_loss(model: nn.Module) -> Tensor:

@@ -23,15 +23,16 @@ def the_cache(cache, past_key_values):
     return past_key_values
 
 
-def check_call(attn: nn.Module, attention_mask) -> None:
+def check_call(attn: nn.Module, attention_mask,
+               mask: str = "its 4D mask [B, 1, T, S], or what the model builds under apply()"
+               ) -> None:
     """Raises a ``RuntimeError`` for a call the op cannot run as the model would: no attention
-    mask (the model always builds one; a layer called alone must be given it), or attention
-    dropout while training."""
+    mask (the model always builds one; a layer called alone must be given it; ``mask`` says
+    which the layer takes), or attention dropout while training."""
     if attention_mask is None:
         raise RuntimeError(
-            "mla_inductor: the switched attention needs the model's attention mask (its 4D mask "
-            "[B, 1, T, S], or what the model builds under apply()); call the layer as the model "
-            "does (the model always builds one)"
+            f"mla_inductor: the switched attention needs the model's attention mask ({mask}); "
+            "call the layer as the model does (the model always builds one)"
         )
     if attn.training and attn.attention_dropout:
         raise RuntimeError(

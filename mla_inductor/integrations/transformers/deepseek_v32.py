@@ -44,6 +44,7 @@ from .indexer import indexer_topk, selects_in_fp8
 from .visibility import Visibility
 
 INDEXER_LOSS = True  # apply(model, indexer_loss=True) covers these layers (:mod:`.loss`)
+VISIBILITY = True  # apply sets ATTN_IMPLEMENTATION: the model builds no dense mask
 
 # The attention classes switched, each with its model's RoPE for the attention (interleaved pairs),
 # the RoPE its indexer applies (DeepSeek-V3.2: half-split; GLM-5: interleaved pairs) and whether

@@ -57,10 +57,12 @@ from transformers.models.deepseek_v4 import modeling_deepseek_v4 as _v4
 from ...api import lightning_indexer, sparse_mla
 from .arguments import check_call, the_cache
 from .indexer import quantized, selects_in_fp8
+from .pooling import last_entry_seen, softmax_pool
 from .visibility import Visibility, dense_seen
 
 LAYERS = (_v4.DeepseekV4Attention,)
 INDEXER_LOSS = False
+VISIBILITY = True  # apply sets ATTN_IMPLEMENTATION: the model builds no dense mask
 NO_INDEXER_LOSS = (
     "DeepSeek-V4's indexer picks compressed entries, and the indexer loss implemented here is "
     "DeepSeek-V3.2's KL over selected tokens; transformers' V4 trains no indexer loss either. "
@@ -110,8 +112,7 @@ def _pool(module: nn.Module, name: str, hidden_states: Tensor, cache_layer, head
                     pooled_kv[:, 0, :, :m] = prior_kv.transpose(-1, -2).to(pooled_kv.dtype)
                     pooled_gate[:, 0, :, :m] = prior_gate.transpose(-1, -2).to(pooled_gate.dtype)
             chunk_kv, chunk_gate = pooled_kv, pooled_gate
-        weights = chunk_gate.softmax(dim=-1, dtype=torch.float32).to(chunk_kv.dtype)
-        compressed = module.kv_norm((chunk_kv * weights).sum(dim=-1))
+        compressed = module.kv_norm(softmax_pool(chunk_kv, chunk_gate, dim=-1))
         positions = (torch.arange(n, device=compressed.device) * m + first).expand(B, n)
         cos, sin = module.rotary_emb(compressed, position_ids=positions,
                                      layer_type=module.rope_layer_type)
@@ -141,7 +142,7 @@ def _indexer_topk(indexer: nn.Module, hidden_states: Tensor, q_residual: Tensor,
         scorer = indexer.scorer
         w = scorer.weights_proj(hidden_states).float() * (scorer.weights_scaling
                                                           * scorer.softmax_scale)
-        seen_last = (position_ids + 1) // indexer.compress_rate - 1
+        seen_last = last_entry_seen(position_ids, indexer.compress_rate)
         keys, scales = keys.to(q.dtype), {}
         if fp8:
             q, keys, scales = quantized(q, keys)

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from ...api import lightning_indexer, lightning_indexer_scores
 from ...kernels.reference_lightning import lightning_indexer_seen
 from ...quantize import quantize_fp8
-from .visibility import Visibility, dense_seen
+from .visibility import Visibility, dense_seen, gather_seen, scatter_back
 
 
 # The attribute of a switched attention layer present while its indexer selects in fp8.
@@ -159,21 +159,6 @@ class _UpcastLinear(torch.autograd.Function):
         return dx, dw, db
 
 
-def _gather_seen(k: Tensor, keys: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The seen keys of each batch element first (module docstring): ``k [B, S, D]``, ``keys
-    [B, S]`` bool, ``positions [T]`` or ``[B, T]`` -> ``(gathered k [B, S, D], positions [B, T]
-    among them, order [B, S] int64: the key index of each gathered row)``."""
-    B, S, D = k.shape
-    before = keys.cumsum(-1)  # seen keys up to and including s
-    column = torch.arange(S, device=k.device)
-    slot = torch.where(keys, before - 1, before[:, -1:] + column - before)  # a permutation
-    order = torch.empty((B, S), dtype=torch.int64, device=k.device)
-    order.scatter_(1, slot, column.expand(B, S))
-    pos = positions.long().expand(B, positions.shape[-1])
-    count = before.gather(1, pos.clamp(0, S - 1))
-    return k.gather(1, order[..., None].expand(B, S, D)), torch.where(pos < 0, 0, count) - 1, order
-
-
 def indexer_topk(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tensor,
                  position_embeddings: tuple[Tensor, Tensor], visibility: Visibility | Tensor,
                  cache=None, *, scores: bool = False, fp8: bool = False):
@@ -239,11 +224,11 @@ def _select(q: Tensor, k: Tensor, w: Tensor, topk: int, visibility: Visibility |
     if visibility.keys is None:
         return lightning_indexer(q, k, w, topk, causal=True, q_positions=visibility.positions,
                                  return_scores=True)
-    gathered, positions, order = _gather_seen(k, visibility.keys.to(torch.bool),
+    gathered, positions, order = gather_seen(k, visibility.keys.to(torch.bool),
                                               visibility.positions)
     picked, values = lightning_indexer(q, gathered, w, topk, causal=True, q_positions=positions,
                                        return_scores=True)
-    return _scatter_back(picked, order), values
+    return scatter_back(picked, order), values
 
 
 def _selection(q: Tensor, k: Tensor, w: Tensor, topk: int, visibility: Visibility | Tensor,
@@ -254,15 +239,7 @@ def _selection(q: Tensor, k: Tensor, w: Tensor, topk: int, visibility: Visibilit
         return lightning_indexer_seen(q, k, w, dense_seen(visibility), topk, **scales)[0]
     keys, positions, order = k, visibility.positions, None
     if visibility.keys is not None:
-        keys, positions, order = _gather_seen(k, visibility.keys.to(torch.bool), positions)
+        keys, positions, order = gather_seen(k, visibility.keys.to(torch.bool), positions)
     q, keys, scales = quantized(q, keys) if fp8 else (q, keys, {})
     picked = lightning_indexer(q, keys, w, topk, causal=True, q_positions=positions, **scales)
-    return picked if order is None else _scatter_back(picked, order)
-
-
-def _scatter_back(picked: Tensor, order: Tensor) -> Tensor:
-    """The key indices ``[B, T, topk]`` int32 of a selection ``picked`` over the keys gathered
-    in ``order [B, S]`` (:func:`_gather_seen`), -1 kept."""
-    B, T, topk = picked.shape
-    back = order.gather(1, picked.clamp(min=0).view(B, T * topk).long()).view(B, T, topk)
-    return torch.where(picked >= 0, back, -1).to(torch.int32)
+    return picked if order is None else scatter_back(picked, order)

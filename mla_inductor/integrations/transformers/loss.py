@@ -1,5 +1,7 @@
-"""DeepSeek-V3.2's indexer loss for the DSA layers that :mod:`.deepseek_v32` switches (opt-in:
-``apply(model, indexer_loss=True)``; the sum a training loop adds: ``indexer_loss(model)``).
+"""DeepSeek-V3.2's indexer loss for the DSA layers that :mod:`.deepseek_v32` switches, and its
+form over pools for GLM-5.3-Flash's k-pool indexer (:mod:`.glm5_next`, :func:`pooled_loss`)
+(opt-in: ``apply(model, indexer_loss=True)``; the sum a training loop adds:
+``indexer_loss(model)``).
 
 transformers 5.24 runs the indexer under ``no_grad``: nothing trains it. DeepSeek-V3.2's sparse
 training stage (DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek
@@ -95,14 +97,19 @@ def active(attn: nn.Module) -> bool:
 def record(attn: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tensor,
            position_embeddings: tuple[Tensor, Tensor], q: Tensor, kv: Tensor, indices: Tensor,
            lse: Tensor, logits: Tensor | None = None) -> None:
-    """Computes this forward's indexer loss of ``attn`` (:func:`layer_loss`) and appends it to the
-    layer's recorded losses, unless this forward runs inside a backward pass: that is a
-    checkpoint's recomputation (transformers' gradient checkpointing, non-reentrant), whose loss
-    was recorded by the original forward and whose backward needs this computation's saved
-    tensors, so it is computed and not recorded again. Compiled code never runs there
-    (``torch.utils.checkpoint`` recomputes with dynamo disabled), so it needs no check."""
-    loss = layer_loss(attn, rope, hidden_states, q_resid, position_embeddings, q, kv, indices, lse,
-                      logits)
+    """Computes this forward's indexer loss of ``attn`` (:func:`layer_loss`) and keeps it
+    (:func:`keep`)."""
+    keep(attn, layer_loss(attn, rope, hidden_states, q_resid, position_embeddings, q, kv, indices,
+                          lse, logits))
+
+
+def keep(attn: nn.Module, loss: Tensor) -> None:
+    """Appends this forward's indexer ``loss`` (0-d float32) to ``attn``'s recorded losses,
+    unless this forward runs inside a backward pass: that is a checkpoint's recomputation
+    (transformers' gradient checkpointing, non-reentrant), whose loss was recorded by the
+    original forward and whose backward needs this computation's saved tensors, so it is
+    computed and not recorded again. Compiled code never runs there (``torch.utils.checkpoint``
+    recomputes with dynamo disabled), so it needs no check."""
     if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
         getattr(attn, _LOSSES).append(loss)
 
@@ -156,19 +163,59 @@ def layer_loss(attn: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: 
             rows) before this forward; the loss covers forwards whose keys are their own tokens
             (no cache, or a fresh dynamic one, as a training forward has).
     """
-    B, T, _ = hidden_states.shape
     S = kv.shape[1]
+    check_own_keys(hidden_states.shape[1], S)
+    target = indexer_target(q, kv, indices, lse, sm_scale=attn.scaling)
+    if logits is None:
+        logits = indexer_logits(attn.indexer, rope, hidden_states.detach(), q_resid.detach(),
+                                position_embeddings, indices)
+    return indexer_kl_loss(logits, target, indices, kv_len=S)
+
+
+def check_own_keys(T: int, S: int) -> None:
+    """Raises the ``RuntimeError`` of :func:`layer_loss` unless the ``S`` keys are this forward's
+    ``T`` tokens."""
     if S != T:
         raise RuntimeError(
             f"mla_inductor: the indexer loss needs a training forward over its own tokens only, "
             f"got {T} tokens attending to {S} keys (a cache holding earlier tokens, or a static "
             "cache); pass use_cache=False, or run it in eval mode or under torch.no_grad()"
         )
-    target = indexer_target(q, kv, indices, lse, sm_scale=attn.scaling)
-    if logits is None:
-        logits = indexer_logits(attn.indexer, rope, hidden_states.detach(), q_resid.detach(),
-                                position_embeddings, indices)
-    return indexer_kl_loss(logits, target, indices, kv_len=S)
+
+
+def pooled_loss(q: Tensor, kv: Tensor, slots: Tensor, lse: Tensor, sm_scale: float,
+                pool_slots: Tensor, logits: Tensor, pools: Tensor, n_pools: int,
+                pool_size: int) -> Tensor:
+    """The indexer loss of an indexer that selects pools of ``pool_size`` consecutive keys
+    (GLM-5.3-Flash's k-pool indexer, :mod:`.glm5_next`): ``KL(target || softmax(logits))`` over
+    each token's selected pools, the target being the main attention's mass on each selected
+    pool (its keys' probabilities summed over heads and over the pool's keys), L1-normalised over
+    the selected pools; keys attended that no pool selection chose (GLM-5.3-Flash's tail) are
+    left out. With ``pool_size`` 1 it is :func:`layer_loss`'s definition. A 0-d float32 tensor
+    whose gradient reaches ``logits`` only.
+
+    Args:
+        q, kv, slots, lse, sm_scale: the layer's ``sparse_mla`` call (``q [B, T, H, d_qk]``,
+            ``kv [B, S, d_qk]``, ``slots [B, T, W]`` int32 with the selected pools' keys first:
+            pool ``j`` of the selection at slots ``j·pool_size .. (j + 1)·pool_size - 1``) and the
+            ``lse [B, T, H]`` it returned.
+        pool_slots: ``[B, T]`` int32, the slots of the selected pools (``pool_size`` times their
+            count): the target is normalised over these.
+        logits: ``[B, T, K]`` float32, the indexer's scores of the selected pools, with their
+            graph.
+        pools: ``[B, T, K]`` int32, the selected pools (in ``[0, n_pools)``, -1 = none), slot
+            ``j`` of ``logits``.
+        n_pools: the pools a row has (``kv_len`` of the KL).
+        pool_size: keys per pool.
+
+    Raises:
+        RuntimeError: :func:`check_own_keys`; the ops' own checks.
+    """
+    B, T, K = pools.shape
+    check_own_keys(T, kv.shape[1])
+    target = indexer_target(q, kv, slots, lse, sm_scale=sm_scale, topk_length=pool_slots)
+    target = target[..., :K * pool_size].reshape(B, T, K, pool_size).sum(-1)
+    return indexer_kl_loss(logits, target, pools, kv_len=n_pools)
 
 
 def indexer_logits(indexer: nn.Module, rope: Callable, hidden_states: Tensor, q_resid: Tensor,

@@ -6,7 +6,9 @@ implementation in their config. :data:`ATTN_IMPLEMENTATION` registers one whose 
 (:func:`visibility_mask`) returns a :class:`Visibility` instead wherever the rule is causal over
 positions (with or without a sliding window): each token's cache position and the 2D padding mask
 over the keys, O(B·S + T). Anything else (packed sequences, an overlay) gets the dense bool mask
-of transformers' ``sdpa_mask``. The switched layers read either.
+of transformers' ``sdpa_mask``. The switched layers read either. :func:`gather_seen` and
+:func:`scatter_back` turn a padding mask over keys (or pooled keys) into a causal rule over
+positions among the seen ones, the form :func:`mla_inductor.lightning_indexer` takes.
 """
 
 from __future__ import annotations
@@ -88,6 +90,41 @@ def dense_seen(mask: Tensor) -> Tensor:
     """``[B or 1, T, S]`` bool (True = seen) from a model's 4D mask without its head axis: bool,
     or additive float (the dtype's minimum or -inf = hidden)."""
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+
+
+def gather_seen(k: Tensor, keys: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The seen keys of each batch element first, in their order (a stable partition,
+    O(B·S·D)), so that a causal rule over positions among them is exactly a padding mask and a
+    causal rule over the keys (its tie-breaking, the smaller key index, included).
+
+    Args:
+        k: ``[B, S, D]`` keys (or pooled keys), any dtype.
+        keys: ``[B, S]`` bool, the keys that can be seen at all (the model's 2D padding mask).
+        positions: ``[T]`` or ``[B, T]`` integer, each token's last visible key in key
+            coordinates (below 0: none).
+
+    Returns:
+        ``(gathered k [B, S, D], positions [B, T] int64 among the gathered keys (the count of
+        seen keys up to the token's position, minus 1), order [B, S] int64: the key index of
+        each gathered row)``; :func:`scatter_back` maps a selection back.
+    """
+    B, S, D = k.shape
+    before = keys.cumsum(-1)  # seen keys up to and including s
+    column = torch.arange(S, device=k.device)
+    slot = torch.where(keys, before - 1, before[:, -1:] + column - before)  # a permutation
+    order = torch.empty((B, S), dtype=torch.int64, device=k.device)
+    order.scatter_(1, slot, column.expand(B, S))
+    pos = positions.long().expand(B, positions.shape[-1])
+    count = before.gather(1, pos.clamp(0, S - 1))
+    return k.gather(1, order[..., None].expand(B, S, D)), torch.where(pos < 0, 0, count) - 1, order
+
+
+def scatter_back(picked: Tensor, order: Tensor) -> Tensor:
+    """The key indices ``[B, T, topk]`` int32 of a selection ``picked`` over the keys gathered
+    in ``order [B, S]`` (:func:`gather_seen`), -1 kept."""
+    B, T, topk = picked.shape
+    back = order.gather(1, picked.clamp(min=0).view(B, T * topk).long()).view(B, T, topk)
+    return torch.where(picked >= 0, back, -1).to(torch.int32)
 
 
 def _not_an_attention_function(module, *args, **kwargs):
