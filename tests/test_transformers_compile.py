@@ -1,6 +1,6 @@
 """Each integrated model family's switched decoder layer under ``torch.compile(fullgraph=True,
 dynamic=True)``, forward and backward, over three token counts (one of them not a multiple of
-DeepSeek-V4's compression rates 4 and 16): the same values as the layer in eager, and one graph
+DeepSeek-V4's compression rates 4 and 16, nor of GLM-5.3-Flash's pool size 4): the same values as the layer in eager, and one graph
 for every T. A family added to ``integrations.transformers`` adds its layers to ``LAYERS``.
 
 The models are the tiny random ones of the families' own tests (float32, CPU, the reference
@@ -15,6 +15,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import test_transformers as v32_glm5
 import test_transformers_deepseek_v4 as v4
+import test_transformers_glm5_next as glm5_next
 from mla_inductor.integrations import transformers as hf
 from mla_inductor.integrations.transformers.visibility import Visibility
 
@@ -56,18 +57,40 @@ def _v4_layer(index: int):
     return model.model.layers[index], inputs
 
 
+def _glm5_next_layer(index: int):
+    """Decoder layer ``index`` of the tiny GLM-5.3-Flash model (1: a full indexer layer, 2: a
+    shared one, given the previous layer's slots), and its inputs at T (row 1 left-padded)."""
+    model = glm5_next._model().train()
+    hf.apply(model)
+    layers = model.model.language_model.layers
+
+    def inputs(T: int, seed: int):
+        x = torch.randn(2, T, 2, 64, generator=torch.Generator().manual_seed(seed))
+        mask = torch.ones(2, T, dtype=torch.bool)
+        mask[1, :9] = False
+        kwargs = dict(attention_mask=mask)
+        if layers[index].self_attn.indexer is None:
+            with torch.no_grad():
+                kwargs["prev_topk_indices"] = layers[index - 1](x, attention_mask=mask)[1]
+        return x.requires_grad_(), kwargs
+
+    return layers[index], inputs
+
+
 LAYERS = {
     "deepseek_v32": lambda: _v32_glm5_layer("deepseek_v32"),
     "glm_moe_dsa": lambda: _v32_glm5_layer("glm_moe_dsa"),
     "deepseek_v4_sliding": lambda: _v4_layer(0),
     "deepseek_v4_csa": lambda: _v4_layer(1),
     "deepseek_v4_hca": lambda: _v4_layer(2),
+    "glm5_next_full": lambda: _glm5_next_layer(1),
+    "glm5_next_shared": lambda: _glm5_next_layer(2),
 }
 
 
 def _forward_backward(fn, layer, x, kwargs) -> list:
     out = fn(x, **kwargs)
-    out = out[0] if isinstance(out, tuple) else out  # GLM-5's layer also returns its top-k
+    out = out[0] if isinstance(out, tuple) else out  # GLM's layers also return their top-k
     params = [x, *layer.parameters()]
     grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
     return [out, *grads]

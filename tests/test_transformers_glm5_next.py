@@ -239,23 +239,6 @@ def test_decoder_layer_compiles_fullgraph(layer):
     assert_compiled_matches_eager(block, run)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported,
-                   reason="sparse_mla checks a symbolic sm_scale with math.isfinite "
-                          "(mla_inductor.api._sm_scale), which Dynamo cannot trace")
-def test_decoder_layer_compiles_fullgraph_with_dynamic_shapes():
-    """The full layer under torch.compile(fullgraph=True, dynamic=True) at 64 and then 40
-    tokens: one graph, matching eager."""
-    model = _model().train()
-    hf.apply(model)
-    block, x, kwargs = _layer_call(model, 1)
-    torch._dynamo.reset()
-    compiled = torch.compile(block, fullgraph=True, dynamic=True, backend="aot_eager")
-    for n in (64, 40):
-        xs, mask = x[:, :n], kwargs["attention_mask"][:, :n]
-        assert rel_l2(compiled(xs, attention_mask=mask)[0], block(xs, attention_mask=mask)[0]) <= 1e-6
-
-
 def _reference_loss(call: dict) -> tuple[torch.Tensor, nn.Module]:
     """One full layer's indexer loss in float64 from its definition (module docstring of
     :mod:`mla_inductor.integrations.transformers.glm5_next`), written without the package from a
