@@ -184,7 +184,10 @@ def select(indexer: nn.Module, hidden_states: Tensor, q_resid: Tensor, real_quer
                               + indexer.index_kpool_compress_ape.float())
         # real keys up to each token (transformers' visible count) and its last pool
         pos = found.positions
-        visible = real.cumsum(-1).gather(1, pos.expand(B, T))
+        # (the count runs over S + 1 entries, 0 first: inductor then keeps its scan apart from
+        # the reductions over the S keys above, which torch 2.11's split-scan kernel cannot hold)
+        counts = torch.nn.functional.pad(real.long(), (1, 0)).cumsum(-1)  # [B, S + 1]
+        visible = counts.gather(1, pos.expand(B, T) + 1)
         last_pool = last_entry_seen(pos - first[:, None], kpool)
         K = min(indexer.index_topk // kpool, P)
         pools, logits = _top_pools(indexer, hidden_states, q_resid, pooled, whole, last_pool, K,
