@@ -12,11 +12,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import custom_ops, indexer_target  # noqa: F401  (register torch.ops.mla_inductor.*)
-from . import lightning_indexer as _lightning_ops  # noqa: F401  (registers its ops)
+from . import custom_ops  # noqa: F401  (defines every op of torch.ops.mla_inductor)
 from . import layout
-from . import lightning_scores  # noqa: F401  (registers torch.ops.mla_inductor.lightning_*)
-from . import indexer_kl as _kl_ops  # noqa: F401  (registers torch.ops.mla_inductor.indexer_kl*)
 
 
 def _require(cond: bool, message, op: str = "sparse_mla") -> None:
@@ -258,7 +255,7 @@ def indexer_kl_loss(
     ``q_positions`` (pass the values of the :func:`indexer_target` call), not from the target,
     whose valid slots can be 0. Empty slots and rows without a valid slot contribute nothing and
     get a zero gradient, whatever their logits (NaN and inf included). Computed by the op
-    ``indexer_kl`` (:mod:`mla_inductor.indexer_kl`: one pass over the slots per direction on
+    ``indexer_kl`` (:mod:`mla_inductor.ops.indexer_kl`: one pass over the slots per direction on
     SM90, the per-row sums in a fixed order, so the loss and its gradient are bitwise the same in
     every run on every backend).
 

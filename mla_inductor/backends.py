@@ -110,7 +110,7 @@ class Backend(Protocol):
     def indexer_target(self, q: Tensor, kv: Tensor, indices: Tensor,
                        topk_length: Optional[Tensor], q_positions: Optional[Tensor],
                        attn_sink: Optional[Tensor], lse: Tensor, sm_scale: float) -> Tensor:
-        """The indexer's training target (:mod:`mla_inductor.indexer_target`): ``q``, ``kv``,
+        """The indexer's training target (:mod:`mla_inductor.ops.indexer_target`): ``q``, ``kv``,
         ``indices``, ``topk_length``, ``q_positions``, ``attn_sink``, ``sm_scale`` as the
         forward's, ``lse [T, H]`` float32 the forward's lse for them (the sink included). Returns
         contiguous ``target [T, topk]`` float32: ``sum_h exp(sm_scale * q[t, h] . k_j - lse[t,
@@ -124,7 +124,7 @@ class Backend(Protocol):
                           q_positions: Optional[Tensor], topk: int, *,
                           q_scale: Optional[Tensor] = None,
                           k_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        """The lightning indexer's top-k (:mod:`mla_inductor.lightning_indexer`): ``q [B, T, H,
+        """The lightning indexer's top-k (:mod:`mla_inductor.ops.lightning_indexer`): ``q [B, T, H,
         D]`` (bf16/fp16; fp32 on the reference path), ``k [B, S, D]`` of q's dtype, ``weights [B,
         T, H]`` float32, ``q_positions [B, T]`` int32 or ``None`` (causal: key ``s`` is seen by
         token ``t`` when ``s <= q_positions[b, t]``; None: every key seen), all contiguous,
@@ -146,7 +146,7 @@ class Backend(Protocol):
     def lightning_indexer_scores(self, q: Tensor, k: Tensor, weights: Tensor,
                                  indices: Tensor) -> Tensor:
         """The lightning indexer's scores at the selected slots
-        (:mod:`mla_inductor.lightning_scores`): ``q [B, T, H, D]`` (bf16/fp16; fp32 on the
+        (:mod:`mla_inductor.ops.lightning_scores`): ``q [B, T, H, D]`` (bf16/fp16; fp32 on the
         reference path), ``k [B, S, D]`` q's dtype, ``weights [B, T, H]`` float32, ``indices [B,
         T, topk]`` int32 local to each batch element (any value < 0 or >= S is an empty slot,
         never read), all contiguous. Returns contiguous ``scores [B, T, topk]`` float32, ``sum_h
@@ -170,7 +170,7 @@ class Backend(Protocol):
 
     def indexer_kl(self, logits: Tensor, target: Tensor, indices: Tensor, hi: Tensor,
                    length: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The indexer loss's per-row KL (:mod:`mla_inductor.indexer_kl`): ``logits`` and
+        """The indexer loss's per-row KL (:mod:`mla_inductor.ops.indexer_kl`): ``logits`` and
         ``target`` ``[R, K]`` float32, ``indices [R, K]`` int32, ``hi`` and ``length`` ``[R]``
         int32; slot ``j`` of row ``r`` is valid iff ``0 <= indices[r, j] <= hi[r]`` and ``j <
         length[r]``. Returns ``[R]`` tensors ``(kl, lse, tsum, count)``: float32, float32,

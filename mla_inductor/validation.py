@@ -359,7 +359,7 @@ def check_no_forward_ad(*tensors: Optional[torch.Tensor]) -> None:
     )
 
 
-# The lightning indexer (:mod:`mla_inductor.lightning_indexer`).
+# The lightning indexer (:mod:`mla_inductor.ops.lightning_indexer`).
 
 
 def _lightning_check(cond, message: str) -> None:

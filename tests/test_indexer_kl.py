@@ -13,7 +13,7 @@ import torch
 
 import mla_inductor
 from mla_inductor import backends, indexer_kl_loss
-from mla_inductor.indexer_kl import indexer_kl, indexer_kl_bwd
+from mla_inductor.ops.indexer_kl import indexer_kl, indexer_kl_bwd
 from mla_inductor.kernels import reference, reference_kl, sm90
 
 CUDA = torch.device("cuda", 0)

@@ -28,10 +28,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import backends, lowering
-from .validation import require
-
-_LAYOUT = (torch.Tag.needs_contiguous_strides,)
+from .. import backends, lowering
+from .registry import custom_op
+from ..validation import require
 
 
 def check_inputs(logits: Tensor, target: Tensor, indices: Tensor, hi: Tensor,
@@ -59,7 +58,7 @@ def check_inputs(logits: Tensor, target: Tensor, indices: Tensor, hi: Tensor,
                                        f"devices: {sorted(str(d) for d in devices)}")
 
 
-@torch.library.custom_op("mla_inductor::indexer_kl", mutates_args=(), tags=_LAYOUT)
+@custom_op("indexer_kl")
 def indexer_kl(logits: Tensor, target: Tensor, indices: Tensor, hi: Tensor,
                length: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(kl, lse, tsum, count)`` per row on the backend :mod:`mla_inductor.backends` selects
@@ -84,7 +83,7 @@ def _(logits, target, indices, hi, length):
             logits.new_empty(R, dtype=torch.int32))
 
 
-@torch.library.custom_op("mla_inductor::indexer_kl_bwd", mutates_args=(), tags=_LAYOUT)
+@custom_op("indexer_kl_bwd")
 def indexer_kl_bwd(dkl: Tensor, logits: Tensor, target: Tensor, indices: Tensor, hi: Tensor,
                    length: Tensor, lse: Tensor, tsum: Tensor) -> Tensor:
     """``dlogits [R, K]`` float32 on the backend :mod:`mla_inductor.backends` selects (module

@@ -47,11 +47,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, layout, lowering
+from .. import backends, layout, lowering
+from .registry import custom_op, entry_op
 from .lightning_scores import lightning_indexer_scores_bwd
-from .validation import FP8, check_lightning_inputs, check_lightning_layout
-
-_LAYOUT = (torch.Tag.needs_contiguous_strides,)
+from ..validation import FP8, check_lightning_inputs, check_lightning_layout
 
 
 def _outputs(q: Tensor, topk):
@@ -60,7 +59,7 @@ def _outputs(q: Tensor, topk):
             q.new_empty((B, T, topk), dtype=torch.float32))
 
 
-@torch.library.custom_op("mla_inductor::lightning_indexer", mutates_args=(), tags=_LAYOUT)
+@custom_op("lightning_indexer")
 def lightning_indexer(
     q: Tensor,
     k: Tensor,
@@ -115,7 +114,7 @@ def _scaled(x: Tensor, scale: Optional[Tensor]) -> Tensor:
 def _backward(ctx, dindices, dscores):
     """The scores' gradients (module docstring); the mode of
     ``torch.use_deterministic_algorithms`` as the backward is traced picks the deterministic
-    variant, as for :func:`mla_inductor.lightning_scores.lightning_indexer_scores_bwd`."""
+    variant, as for :func:`mla_inductor.ops.lightning_scores.lightning_indexer_scores_bwd`."""
     del dindices  # integer outputs get no gradient
     q, k, weights, indices, q_scale, k_scale = ctx.saved_tensors
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -132,13 +131,6 @@ def _backward(ctx, dindices, dscores):
 
 
 lightning_indexer.register_autograd(_backward, setup_context=_setup_context)
-
-
-_lib = torch.library.Library("mla_inductor", "FRAGMENT")
-_lib.define(
-    "lightning_indexer_entry(Tensor q, Tensor k, Tensor weights, Tensor? q_positions, "
-    "bool causal, SymInt topk, Tensor? q_scale=None, Tensor? k_scale=None) -> (Tensor, Tensor)"
-)
 
 
 def _positions(q_positions: Optional[Tensor], B, T, S, like: Tensor) -> Tensor:
@@ -167,4 +159,8 @@ def _lightning_indexer_entry(q, k, weights, q_positions, causal, topk, q_scale=N
     return indices, scores
 
 
-_lib.impl("lightning_indexer_entry", _lightning_indexer_entry, "CompositeImplicitAutograd")
+entry_op(
+    "lightning_indexer_entry(Tensor q, Tensor k, Tensor weights, Tensor? q_positions, "
+    "bool causal, SymInt topk, Tensor? q_scale=None, Tensor? k_scale=None) -> (Tensor, Tensor)",
+    _lightning_indexer_entry,
+)
