@@ -135,9 +135,9 @@ class Backend(Protocol):
         then -1, and ``scores [B, T, topk]`` float32, each slot's score, 0 on -1 slots. No host
         synchronisation, no ``[T, S]`` tensor beyond a bounded chunk. With float8_e4m3fn q and k
         (dispatched with that dtype) the call adds the keywords ``q_scale=`` (``[B, T, H]``
-        float32 or ``None``: 1) and ``k_scale=`` (``[B, S]`` float32), contiguous, and ``score[t,
-        s] = sum_h weights[t, h] * relu(q_scale[t, h] * k_scale[s] * (q[t, h] . k[s]))``, the fp8
-        dot accumulated in float32; only a backend whose ``supports()`` accepts that dtype gets
+        float32; the op passes ones for none) and ``k_scale=`` (``[B, S]`` float32), contiguous,
+        and ``score[t, s] = sum_h weights[t, h] * relu(q_scale[t, h] * k_scale[s] * (q[t, h] .
+        k[s]))``, the fp8 dot accumulated in float32; only a backend whose ``supports()`` accepts that dtype gets
         them. ``reference`` has it, fp8 included (``emulate`` runs the reference's), and so has
         sm90 (fp8 too, for D = 128 and 1 to 64 heads); ``auto`` on a CUDA backend without it (or
         whose ``supports()`` says no: sm90 for another D or head count) falls back to the

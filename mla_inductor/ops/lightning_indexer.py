@@ -50,7 +50,196 @@ from torch import Tensor
 from .. import backends, layout, lowering
 from .registry import custom_op, entry_op
 from .lightning_scores import lightning_indexer_scores_bwd
-from ..validation import FP8, check_lightning_inputs, check_lightning_layout
+from ..validation import FP8, SUPPORTED_DTYPES, check_for
+
+
+def _lightning_check(cond, message: str) -> None:
+    check_for("lightning_indexer", cond, message)
+
+
+def check_lightning_layout(
+    q: Tensor,
+    k: Tensor,
+    weights: Tensor,
+    causal: bool,
+    q_positions: Optional[Tensor],
+    q_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+) -> None:
+    """Checks the ranks of a :func:`mla_inductor.lightning_indexer` call before it is brought
+    to the canonical layout: ``q [T, H, D]`` with ``k [S, D]`` or ``[S, 1, D]`` and ``weights
+    [T, H]``; batched ``q [B, T, H, D]`` with ``k [B, S, D]`` or ``[B, S, 1, D]`` and ``weights
+    [B, T, H]``; ``q_positions`` (only with ``causal``) an integer ``[T]`` or, batched, ``[B, T]``;
+    the fp8 scales in the call's layout (:func:`check_lightning_scales`). Sizes, dtypes and
+    devices are checked on the canonical tensors (:func:`check_lightning_inputs`).
+
+    Raises:
+        RuntimeError: naming the layout expected and the shape found, or a scale's error.
+    """
+    _lightning_check(
+        q.dim() in (3, 4),
+        f"q must be [T, H, D] or batched [B, T, H, D], got shape {tuple(q.shape)}",
+    )
+    batched = q.dim() == 4
+    k_ranks = (3, 4) if batched else (2, 3)
+    k_layout = "[B, S, D] or [B, S, 1, D]" if batched else "[S, D] or [S, 1, D]"
+    q_layout = "[B, T, H, D]" if batched else "[T, H, D]"
+    _lightning_check(
+        k.dim() in k_ranks and (k.dim() == k_ranks[0] or k.shape[-2] == 1),
+        f"k must be {k_layout} with q {q_layout} (one key row per token, shared by all index "
+        f"heads), got shape {tuple(k.shape)}",
+    )
+    _lightning_check(
+        weights.dim() == q.dim() - 1,
+        f"weights must be {'[B, T, H]' if batched else '[T, H]'} with q {q_layout}, got shape "
+        f"{tuple(weights.shape)}",
+    )
+    _lightning_check(
+        causal or q_positions is None,
+        "q_positions is only read with causal=True (it gives each token's position for the "
+        "causal rule); pass causal=True or drop q_positions",
+    )
+    if q_positions is not None:
+        dtype = q_positions.dtype
+        _lightning_check(
+            not q_positions.is_floating_point() and not q_positions.is_complex()
+            and dtype != torch.bool,
+            f"q_positions must be an integer tensor (int32 or int64), got {dtype}",
+        )
+        T = q.shape[-3]
+        ok = q_positions.dim() == 1 and q_positions.shape[0] == T
+        if batched:
+            ok = ok or (q_positions.dim() == 2 and q_positions.shape[0] == q.shape[0]
+                        and q_positions.shape[1] == T)
+        _lightning_check(
+            ok,
+            f"q_positions must be [T] = [{T}]"
+            + (f" or [B, T] = [{q.shape[0]}, {T}]" if batched else "")
+            + f", got shape {tuple(q_positions.shape)}",
+        )
+        _lightning_check(q_positions.device == q.device,
+                         f"q_positions on {q_positions.device}, q on {q.device}")
+    check_lightning_scales(q, k, q_scale, k_scale)
+
+
+def check_lightning_scales(
+    q: Tensor,
+    k: Tensor,
+    q_scale: Optional[Tensor],
+    k_scale: Optional[Tensor],
+) -> None:
+    """Checks the lightning indexer's fp8 scales against ``q [T, H, D]`` and ``k [S, D]`` or
+    ``[S, 1, D]`` (batched: ``q [B, T, H, D]``, ``k [B, S, D]`` or ``[B, S, 1, D]``; the
+    canonical layout is the batched one): q and k both float8_e4m3fn or neither; with fp8,
+    ``k_scale`` required, ``[S]`` (batched ``[B, S]``), and ``q_scale`` optional, ``[T, H]``
+    (batched ``[B, T, H]``), both float32 on q's device; without fp8, no scale. Ranks of q and
+    k are checked before (:func:`check_lightning_layout`, :func:`check_lightning_inputs`).
+
+    Raises:
+        RuntimeError: a mixed fp8 / non-fp8 pair, a missing ``k_scale``, a scale given with
+            non-fp8 q and k, or a scale of the wrong shape, dtype or device.
+    """
+    fp8 = q.dtype == FP8
+    _lightning_check(
+        fp8 == (k.dtype == FP8),
+        f"q and k must both be {FP8} (with k_scale) or neither, got q {q.dtype} and k "
+        f"{k.dtype}; quantize both with mla_inductor.quantize_fp8",
+    )
+    if not fp8:
+        _lightning_check(
+            q_scale is None and k_scale is None,
+            f"q_scale and k_scale are read only with {FP8} q and k, got q {q.dtype} with "
+            + ("q_scale" if k_scale is None else "k_scale"),
+        )
+        return
+    batched = q.dim() == 4
+    _lightning_check(
+        k_scale is not None,
+        f"{FP8} q and k need k_scale, float32 {'[B, S]' if batched else '[S]'}: one scale per "
+        "key row (mla_inductor.quantize_fp8 returns it)",
+    )
+    lead = "[B, T, H]" if batched else "[T, H]"
+    expected = {"q_scale": (lead, tuple(q.shape[:-1])),
+                "k_scale": ("[B, S]" if batched else "[S]",
+                            (k.shape[0], k.shape[1]) if batched else (k.shape[0],))}
+    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if scale is None:
+            continue
+        layout, shape = expected[name]
+        _lightning_check(
+            scale.dim() == len(shape) and all(a == b for a, b in zip(scale.shape, shape)),
+            f"{name} must be {layout} = {list(shape)}, got shape {tuple(scale.shape)}",
+        )
+        _lightning_check(scale.dtype == torch.float32,
+                         f"{name} must be float32, got {scale.dtype}")
+        _lightning_check(scale.device == q.device, f"{name} on {scale.device}, q on {q.device}")
+
+
+def check_lightning_inputs(
+    q: Tensor,
+    k: Tensor,
+    weights: Tensor,
+    q_positions: Optional[Tensor],
+    topk,
+    q_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+) -> None:
+    """Checks the canonical inputs of ``torch.ops.mla_inductor.lightning_indexer``: ``q [B, T,
+    H, D]`` bfloat16 / float16 / float32 / float8_e4m3fn, ``k [B, S, D]`` of q's dtype,
+    ``weights [B, T, H]`` float32, ``q_positions [B, T]`` int32 or None, ``topk >= 0`` (an int
+    or a SymInt), with fp8 ``k_scale [B, S]`` and optionally ``q_scale [B, T, H]`` float32
+    (:func:`check_lightning_scales`), all on q's device.
+
+    Raises:
+        RuntimeError: a wrong rank, size, dtype or device, a negative topk, or a scale's error.
+    """
+    _lightning_check(q.dim() == 4, f"q must be [B, T, H, D], got shape {tuple(q.shape)}")
+    _lightning_check(k.dim() == 3, f"k must be [B, S, D], got shape {tuple(k.shape)}")
+    _lightning_check(
+        weights.dim() == 3, f"weights must be [B, T, H], got shape {tuple(weights.shape)}"
+    )
+    _lightning_check(
+        q.dtype in SUPPORTED_DTYPES or q.dtype == FP8,
+        f"q has unsupported dtype {q.dtype}; use bfloat16, float16, {FP8} with its scales (or "
+        "float32 on the reference backend)",
+    )
+    check_lightning_scales(q, k, q_scale, k_scale)
+    _lightning_check(k.dtype == q.dtype, f"k dtype {k.dtype} differs from q dtype {q.dtype}")
+    _lightning_check(
+        weights.dtype == torch.float32,
+        f"weights must be float32 (the head weights, any scale folded in), got {weights.dtype}",
+    )
+    B, T, H, D = q.shape
+    _lightning_check(
+        k.shape[0] == B and weights.shape[0] == B,
+        f"batch size differs: q [B, T, H, D] has B={B}, k [B, S, D] has {k.shape[0]}, weights "
+        f"[B, T, H] has {weights.shape[0]}",
+    )
+    _lightning_check(
+        k.shape[2] == D, f"mismatched D: q [.., H, D] has D={D}, k [.., S, D] has {k.shape[2]}"
+    )
+    _lightning_check(
+        weights.shape[1] == T and weights.shape[2] == H,
+        f"weights must be [T, H] = [{T}, {H}] per batch element (q's tokens and index heads), "
+        f"got shape {tuple(weights.shape[1:])}",
+    )
+    _lightning_check(
+        k.device == q.device and weights.device == q.device,
+        f"tensors on different devices: q {q.device}, k {k.device}, weights {weights.device}",
+    )
+    _lightning_check(topk >= 0, f"topk must be >= 0, got {topk}")
+    if q_positions is not None:
+        _lightning_check(
+            q_positions.dim() == 2 and q_positions.shape[0] == B and q_positions.shape[1] == T,
+            f"q_positions must be [B, T] = [{B}, {T}], got shape {tuple(q_positions.shape)}",
+        )
+        _lightning_check(
+            q_positions.dtype == torch.int32,
+            f"q_positions must be int32 (the lightning_indexer API also takes int64), got "
+            f"{q_positions.dtype}",
+        )
+        _lightning_check(q_positions.device == q.device,
+                         f"q_positions on {q_positions.device}, q on {q.device}")
 
 
 def _outputs(q: Tensor, topk):
@@ -73,11 +262,12 @@ def lightning_indexer(
 
     Canonical layout, dtypes and selection rules: the module docstring. The scales reach the
     backend as the keywords ``q_scale`` and ``k_scale`` with fp8 q and k only (a backend takes
-    them where its ``supports()`` accepts fp8).
+    them where its ``supports()`` accepts fp8), ``q_scale=None`` resolved here to ones ``[B, T,
+    H]`` float32.
 
     Raises:
         RuntimeError: the checks of
-            :func:`mla_inductor.validation.check_lightning_inputs` (also from the fake kernel
+            :func:`check_lightning_inputs` (also from the fake kernel
             at trace time), or a forced backend that cannot run here.
     """
     check_lightning_inputs(q, k, weights, q_positions, topk, q_scale, k_scale)
@@ -86,8 +276,9 @@ def lightning_indexer(
     backend = backends.select(q.device, q.dtype, "lightning_indexer", dims)
     scales = {}
     if q.dtype == FP8:
-        scales = dict(q_scale=None if q_scale is None else q_scale.contiguous(),
-                      k_scale=k_scale.contiguous())
+        if q_scale is None:  # no query scale: 1
+            q_scale = q.new_ones(q.shape[:-1], dtype=torch.float32)
+        scales = dict(q_scale=q_scale.contiguous(), k_scale=k_scale.contiguous())
     return backend.lightning_indexer(
         q.contiguous(), k.contiguous(), weights.contiguous(),
         None if q_positions is None else q_positions.contiguous(), topk, **scales,
