@@ -12,11 +12,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import custom_ops, indexer_target  # noqa: F401  (register torch.ops.mla_inductor.*)
-from . import lightning_indexer as _lightning_ops  # noqa: F401  (registers its ops)
+from . import custom_ops  # noqa: F401  (defines every op of torch.ops.mla_inductor)
 from . import layout
-from . import lightning_scores  # noqa: F401  (registers torch.ops.mla_inductor.lightning_*)
-from . import indexer_kl as _kl_ops  # noqa: F401  (registers torch.ops.mla_inductor.indexer_kl*)
+from .ops.indexer_kl import check_loss_inputs, check_loss_lengths
 
 
 def _require(cond: bool, message, op: str = "sparse_mla") -> None:
@@ -33,7 +31,7 @@ def _require(cond: bool, message, op: str = "sparse_mla") -> None:
         raise RuntimeError(f"{op}: {message if isinstance(message, str) else message()}")
 
 
-def _number(name: str, value, integral: bool = False):
+def _number(name: str, value, integral: bool = False, op: str = "sparse_mla"):
     """``value`` as the Python number the op's schema takes (``int`` if ``integral``, else
     ``float``); a Python ``int`` (``float``) and torch's symbolic numbers pass through unchanged,
     so that a size that ``torch.compile`` traces as a symbol (a Python int argument under
@@ -45,14 +43,14 @@ def _number(name: str, value, integral: bool = False):
     kind = "int" if integral else "float"
     if isinstance(value, Tensor):
         raise RuntimeError(
-            f"sparse_mla: {name} must be a Python {kind}, got a {value.dim()}-d tensor; pass "
+            f"{op}: {name} must be a Python {kind}, got a {value.dim()}-d tensor; pass "
             f"{name}={kind}(t) (or t.item()) outside the compiled region"
         )
     if isinstance(value, (torch.SymInt, torch.SymFloat)):
         return value
     ok = isinstance(value, numbers.Integral if integral else numbers.Real)
     _require(ok and not isinstance(value, bool),
-             lambda: f"{name} must be a Python {kind}, got {value!r}")
+             lambda: f"{name} must be a Python {kind}, got {value!r}", op)
     if isinstance(value, int if integral else float):
         return value
     return int(value) if integral else float(value)
@@ -166,13 +164,13 @@ def _sm_scale(q: Tensor, sm_scale) -> float:
     return _number("sm_scale", sm_scale)
 
 
-def _flag(name: str, value) -> bool:
+def _flag(name: str, value, op: str = "sparse_mla") -> bool:
     """``value`` as the Python bool the op's schema takes. A tensor, even a 0-d one, is refused
     in eager and compiled code alike (as for sm_scale): under torch.compile its value is not
     known while tracing, and it decides what the op computes."""
     if isinstance(value, Tensor):
         raise RuntimeError(
-            f"sparse_mla: {name} must be a Python bool, got a {value.dim()}-d tensor; pass "
+            f"{op}: {name} must be a Python bool, got a {value.dim()}-d tensor; pass "
             f"{name}=bool(t) (or t.item()) outside the compiled region"
         )
     return bool(value)
@@ -258,7 +256,7 @@ def indexer_kl_loss(
     ``q_positions`` (pass the values of the :func:`indexer_target` call), not from the target,
     whose valid slots can be 0. Empty slots and rows without a valid slot contribute nothing and
     get a zero gradient, whatever their logits (NaN and inf included). Computed by the op
-    ``indexer_kl`` (:mod:`mla_inductor.indexer_kl`: one pass over the slots per direction on
+    ``indexer_kl`` (:mod:`mla_inductor.ops.indexer_kl`: one pass over the slots per direction on
     SM90, the per-row sums in a fixed order, so the loss and its gradient are bitwise the same in
     every run on every backend).
 
@@ -275,28 +273,19 @@ def indexer_kl_loss(
         least one valid slot (0 when there is none).
 
     Raises:
-        RuntimeError (messages start ``sparse_mla:``): shapes of logits, target and indices that
-        differ, non-integer indices, kv_len not a Python int, a ``topk_length`` or
+        RuntimeError (messages start ``indexer_kl_loss:``): shapes of logits, target and indices
+        that differ, non-integer indices, kv_len not a Python int, a ``topk_length`` or
         ``q_positions`` that :func:`sparse_mla` refuses (not ``[T]`` / ``[B, T]``, also a
         broadcastable ``[1]`` or ``[B, 1]``; a wrong dtype or device), all also at trace time.
     """
+    op = "indexer_kl_loss"
     for name, t in (("indexer_logits", indexer_logits), ("target", target), ("indices", indices)):
-        _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _require(
-        indexer_logits.shape == target.shape and indices.shape == target.shape,
-        lambda: f"indexer_kl_loss needs indexer_logits, target and indices of one shape [.., T, topk], "
-        f"got {tuple(indexer_logits.shape)}, {tuple(target.shape)}, {tuple(indices.shape)}",
-    )
-    _require(
-        not indices.is_floating_point() and indices.dtype != torch.bool and indices.dim() >= 2,
-        lambda: f"indices must be an integer tensor [.., T, topk], got {indices.dtype} "
-        f"{tuple(indices.shape)}",
-    )
-    kv_len = _number("kv_len", kv_len, integral=True)
-    causal = _flag("causal", causal)
-    _require(causal or q_positions is None,
-             "q_positions is only read with causal=True; pass causal=True or drop q_positions")
-    _check_kl_lengths(indices, topk_length, q_positions)
+        _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}",
+                 op=op)
+    check_loss_inputs(indexer_logits, target, indices)
+    kv_len = _number("kv_len", kv_len, integral=True, op=op)
+    causal = _flag("causal", causal, op=op)
+    check_loss_lengths(indices, causal, topk_length, q_positions)
     lead, K = indices.shape[:-1], indices.shape[-1]
     rows = math.prod(lead)  # symbolic under export (torch.Size.numel() specialises)
     # each row's valid slots as the op takes them: 0 <= index <= hi[r] and slot < length[r]
@@ -453,39 +442,3 @@ def lightning_indexer_scores(q: Tensor, k: Tensor, weights: Tensor, indices: Ten
                                f"{type(t).__name__}")
     return torch.ops.mla_inductor.lightning_indexer_scores_entry(q, k, weights, indices)
 
-
-def _check_kl_lengths(indices: Tensor, topk_length: Optional[Tensor],
-                      q_positions: Optional[Tensor]) -> None:
-    """The checks and messages of :func:`sparse_mla` for ``topk_length`` (``[T]``, batched
-    ``[B, T]``: ``indices.shape[:-1]``; int32 or int64; on indices' device) and ``q_positions``
-    (``[T]``, batched ``[B, T]`` or ``[T]``; an integer dtype; on indices' device), for
-    :func:`indexer_kl_loss`, whose broadcasting would otherwise accept ``[1]`` or ``[B, 1]``
-    and turn a wrong length into torch's own error. Messages are formatted only on failure (the
-    sizes may be symbolic under ``torch.compile``)."""
-    lead = tuple(indices.shape[:-1])
-    batched = len(lead) > 1
-    if topk_length is not None:
-        shape, dtype = tuple(topk_length.shape), topk_length.dtype
-        if batched:
-            _require(shape == lead, lambda: f"batched topk_length must be [B, T] = "
-                     f"{list(lead)}, got shape {shape}")
-        else:
-            _require(shape == lead, lambda: f"topk_length must be [T] = {list(lead)}, got "
-                     f"shape {shape}")
-        _require(dtype in (torch.int32, torch.int64), lambda: f"topk_length must be int32 (the "
-                 f"sparse_mla API also takes int64), got {dtype}")
-        _require(topk_length.device == indices.device, lambda: f"topk_length on "
-                 f"{topk_length.device}, indices on {indices.device}")
-    if q_positions is not None:
-        shape, dtype = tuple(q_positions.shape), q_positions.dtype
-        if batched:
-            _require(shape == lead or shape == lead[-1:], lambda: f"batched q_positions must be "
-                     f"[B, T] = {list(lead)} or [T], got shape {shape}")
-        else:
-            _require(shape == lead, lambda: f"q_positions must be [T] = {list(lead)} (batched: "
-                     f"[B, T]), got shape {shape}")
-        _require(not q_positions.is_floating_point() and not q_positions.is_complex()
-                 and dtype != torch.bool,
-                 lambda: f"q_positions must be an integer tensor (int32 or int64), got {dtype}")
-        _require(q_positions.device == indices.device, lambda: f"q_positions on "
-                 f"{q_positions.device}, indices on {indices.device}")

@@ -110,7 +110,7 @@ class Backend(Protocol):
     def indexer_target(self, q: Tensor, kv: Tensor, indices: Tensor,
                        topk_length: Optional[Tensor], q_positions: Optional[Tensor],
                        attn_sink: Optional[Tensor], lse: Tensor, sm_scale: float) -> Tensor:
-        """The indexer's training target (:mod:`mla_inductor.indexer_target`): ``q``, ``kv``,
+        """The indexer's training target (:mod:`mla_inductor.ops.indexer_target`): ``q``, ``kv``,
         ``indices``, ``topk_length``, ``q_positions``, ``attn_sink``, ``sm_scale`` as the
         forward's, ``lse [T, H]`` float32 the forward's lse for them (the sink included). Returns
         contiguous ``target [T, topk]`` float32: ``sum_h exp(sm_scale * q[t, h] . k_j - lse[t,
@@ -124,7 +124,7 @@ class Backend(Protocol):
                           q_positions: Optional[Tensor], topk: int, *,
                           q_scale: Optional[Tensor] = None,
                           k_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        """The lightning indexer's top-k (:mod:`mla_inductor.lightning_indexer`): ``q [B, T, H,
+        """The lightning indexer's top-k (:mod:`mla_inductor.ops.lightning_indexer`): ``q [B, T, H,
         D]`` (bf16/fp16; fp32 on the reference path), ``k [B, S, D]`` of q's dtype, ``weights [B,
         T, H]`` float32, ``q_positions [B, T]`` int32 or ``None`` (causal: key ``s`` is seen by
         token ``t`` when ``s <= q_positions[b, t]``; None: every key seen), all contiguous,
@@ -135,9 +135,9 @@ class Backend(Protocol):
         then -1, and ``scores [B, T, topk]`` float32, each slot's score, 0 on -1 slots. No host
         synchronisation, no ``[T, S]`` tensor beyond a bounded chunk. With float8_e4m3fn q and k
         (dispatched with that dtype) the call adds the keywords ``q_scale=`` (``[B, T, H]``
-        float32 or ``None``: 1) and ``k_scale=`` (``[B, S]`` float32), contiguous, and ``score[t,
-        s] = sum_h weights[t, h] * relu(q_scale[t, h] * k_scale[s] * (q[t, h] . k[s]))``, the fp8
-        dot accumulated in float32; only a backend whose ``supports()`` accepts that dtype gets
+        float32; the op passes ones for none) and ``k_scale=`` (``[B, S]`` float32), contiguous,
+        and ``score[t, s] = sum_h weights[t, h] * relu(q_scale[t, h] * k_scale[s] * (q[t, h] .
+        k[s]))``, the fp8 dot accumulated in float32; only a backend whose ``supports()`` accepts that dtype gets
         them. ``reference`` has it, fp8 included (``emulate`` runs the reference's), and so has
         sm90 (fp8 too, for D = 128 and 1 to 64 heads); ``auto`` on a CUDA backend without it (or
         whose ``supports()`` says no: sm90 for another D or head count) falls back to the
@@ -146,7 +146,7 @@ class Backend(Protocol):
     def lightning_indexer_scores(self, q: Tensor, k: Tensor, weights: Tensor,
                                  indices: Tensor) -> Tensor:
         """The lightning indexer's scores at the selected slots
-        (:mod:`mla_inductor.lightning_scores`): ``q [B, T, H, D]`` (bf16/fp16; fp32 on the
+        (:mod:`mla_inductor.ops.lightning_scores`): ``q [B, T, H, D]`` (bf16/fp16; fp32 on the
         reference path), ``k [B, S, D]`` q's dtype, ``weights [B, T, H]`` float32, ``indices [B,
         T, topk]`` int32 local to each batch element (any value < 0 or >= S is an empty slot,
         never read), all contiguous. Returns contiguous ``scores [B, T, topk]`` float32, ``sum_h
@@ -170,7 +170,7 @@ class Backend(Protocol):
 
     def indexer_kl(self, logits: Tensor, target: Tensor, indices: Tensor, hi: Tensor,
                    length: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The indexer loss's per-row KL (:mod:`mla_inductor.indexer_kl`): ``logits`` and
+        """The indexer loss's per-row KL (:mod:`mla_inductor.ops.indexer_kl`): ``logits`` and
         ``target`` ``[R, K]`` float32, ``indices [R, K]`` int32, ``hi`` and ``length`` ``[R]``
         int32; slot ``j`` of row ``r`` is valid iff ``0 <= indices[r, j] <= hi[r]`` and ``j <
         length[r]``. Returns ``[R]`` tensors ``(kl, lse, tsum, count)``: float32, float32,

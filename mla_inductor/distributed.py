@@ -135,7 +135,7 @@ def register() -> None:
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor.experimental import register_sharding
 
-    from . import custom_ops, indexer_target  # noqa: F401  (define the ops)
+    from . import custom_ops  # noqa: F401  (define the ops)
 
     R = Replicate()
     # Per rule: the placement of a row tensor [T, H, ...] (q and its outputs), of a per-token
@@ -183,7 +183,7 @@ def register() -> None:
 
 def _register_lightning(register_sharding, R, Shard, Partial) -> None:
     """The lightning indexer ops' rules (module docstring)."""
-    from . import lightning_indexer, lightning_scores  # noqa: F401  (define the ops)
+    from . import custom_ops  # noqa: F401  (define the ops)
 
     tokens, batch, heads = Shard(1), Shard(0), Shard(2)
 

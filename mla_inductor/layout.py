@@ -10,7 +10,7 @@ or ``[T, 1, topk]``; batched ``q [B, T, H, d_qk]`` with ``kv [B, S, (1,) d_qk]``
 default position of token t is ``S - T + t`` within its batch element: bottom-right aligned, as
 flash-attn's causal mask when T <= S).
 
-This runs inside the entry op's decomposition (:mod:`mla_inductor.custom_ops`): its checks
+This runs inside the entry op's decomposition (:mod:`mla_inductor.ops.sparse_mla`): its checks
 raise while Dynamo propagates FakeTensors through the entry op, and its few ops (offsets, the
 invalid-slot mask, casts) land in the traced graph, where inductor fuses them into the kernel
 that produces the op's inputs.

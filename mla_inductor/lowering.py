@@ -3,11 +3,12 @@
 What inductor does with our ops (torch 2.9 to 2.14):
 - The entry op ``sparse_mla`` never reaches inductor: AOTAutograd decomposes it (that is where the
   threshold policy runs), leaving ``sparse_mla_fwd`` / ``sparse_mla_bwd`` in the graphs (and
-  likewise ``indexer_target_entry`` leaves ``indexer_target``, :mod:`mla_inductor.indexer_target`, and
-  ``lightning_indexer_scores_entry`` the scores op and its backward,
-  :mod:`mla_inductor.lightning_scores`).
-- These ops carry ``torch.Tag.needs_contiguous_strides`` (a public tag, set in ``custom_ops.py``):
-  inductor then writes their tensor operands contiguously, fusing pointwise producers (a scale, a
+  likewise ``indexer_target_entry`` leaves ``indexer_target``,
+  :mod:`mla_inductor.ops.indexer_target`, and ``lightning_indexer_scores_entry`` the scores op
+  and its backward, :mod:`mla_inductor.ops.lightning_scores`).
+- These ops carry ``torch.Tag.needs_contiguous_strides`` (a public tag, set for every op by
+  :mod:`mla_inductor.ops.registry`, which also lists them for this module): inductor then
+  writes their tensor operands contiguously, fusing pointwise producers (a scale, a
   transpose-copy, the int64 -> int32 index cast and the invalid-slot mask of
   :func:`mla_inductor.sparse_mla`) into the one kernel it generates before the call, instead of
   copying afterwards. The op body's ``.contiguous()`` is then a no-op.
@@ -37,6 +38,7 @@ import sys
 import torch
 
 from .logs import log
+from .ops import registry
 
 TESTED_TORCH = ((2, 9), (2, 14))  # inclusive range of (major, minor)
 _installed = False
@@ -72,16 +74,7 @@ def install() -> bool:
         return False
     from torch._inductor.lowering import lowerings, make_fallback, require_contiguous
 
-    for op in (
-        torch.ops.mla_inductor.sparse_mla_fwd.default,
-        torch.ops.mla_inductor.sparse_mla_bwd.default,
-        torch.ops.mla_inductor.indexer_target.default,
-        torch.ops.mla_inductor.lightning_indexer.default,
-        torch.ops.mla_inductor.lightning_indexer_scores.default,
-        torch.ops.mla_inductor.lightning_indexer_scores_bwd.default,
-        torch.ops.mla_inductor.indexer_kl.default,
-        torch.ops.mla_inductor.indexer_kl_bwd.default,
-    ):
+    for op in registry.lowered_ops():
         if op not in lowerings:
             make_fallback(op, layout_constraint=require_contiguous, warn=False)
     _installed = True

@@ -156,3 +156,22 @@ def test_lowering_gate_logs_its_decision_once(monkeypatch, caplog):
         assert len(lines) == 1, [r.getMessage() for r in lines]
         assert lines[0].admitted is admitted
         assert ("not registered" in lines[0].getMessage()) is not admitted
+
+
+def test_the_registry_lists_every_op_that_reaches_inductor():
+    """The lowering's list is the registry's: every op of ``torch.ops.mla_inductor`` but the entry
+    ops (decomposed before inductor) and the transformers integration's ``head_matmul`` (its own
+    layout rule), each with the contiguous-strides tag; after ``install()`` each has a lowering."""
+    import torch._inductor.lowering as inductor_lowering
+
+    from mla_inductor import custom_ops
+
+    names = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
+             if name.startswith("mla_inductor::")}
+    entry = {name for name in names if name == "sparse_mla" or name.endswith("_entry")}
+    lowered = custom_ops.lowered_ops()
+    assert {op._opname for op in lowered} == names - entry - {"head_matmul"}
+    assert len(lowered) == 8
+    assert all(torch.Tag.needs_contiguous_strides in op.tags for op in lowered)
+    assert lowering.install()
+    assert all(op in inductor_lowering.lowerings for op in lowered)

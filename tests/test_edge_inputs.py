@@ -310,7 +310,7 @@ def _kl_inputs(lead):
 def test_kl_loss_checks_topk_length_and_q_positions_as_sparse_mla(lead, name, value, message):
     logits, target, indices = _kl_inputs(lead)
     kw = {name: value, "causal": name == "q_positions"}
-    with pytest.raises(RuntimeError, match=r"^sparse_mla: " + message):
+    with pytest.raises(RuntimeError, match=r"^indexer_kl_loss: " + message):
         indexer_kl_loss(logits, target, indices, kv_len=6, **kw)
     fn = torch.compile(indexer_kl_loss, backend="eager", fullgraph=True)
     with pytest.raises(Exception, match=message.split(" = ")[0]):  # sizes may be symbols
@@ -363,10 +363,11 @@ FLAG_CALLS = {
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_flag_given_as_a_tensor_is_refused(call, compiled):
     name = call.split()[1]
+    op = "indexer_kl_loss" if call.startswith("indexer_kl_loss") else "sparse_mla"
     fn = FLAG_CALLS[call]
     if compiled:
         fn = torch.compile(fn, backend="eager", fullgraph=True)
-    with pytest.raises(Exception, match=rf"sparse_mla: {name} must be a Python bool, got a "
+    with pytest.raises(Exception, match=rf"{op}: {name} must be a Python bool, got a "
                                         r"0-d tensor"):
         fn(*_small(), torch.tensor(True))
 

@@ -13,7 +13,7 @@ import torch
 
 import mla_inductor
 from mla_inductor import backends, indexer_kl_loss
-from mla_inductor.indexer_kl import indexer_kl, indexer_kl_bwd
+from mla_inductor.ops.indexer_kl import indexer_kl, indexer_kl_bwd
 from mla_inductor.kernels import reference, reference_kl, sm90
 
 CUDA = torch.device("cuda", 0)
@@ -142,10 +142,10 @@ def test_fullgraph_compile_with_a_dynamic_row_count():
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (lambda i: (i[0][:, :-1],) + i[1:], r"^sparse_mla: indexer_kl needs logits, target and indices"),
-    (lambda i: (i[0], i[1], i[2].long()) + i[3:], r"^sparse_mla: indexer_kl takes float32 logits"),
-    (lambda i: i[:3] + (i[3][:-1], i[4]), r"^sparse_mla: indexer_kl needs hi and length \[R\]"),
-    (lambda i: (i[0].double(),) + i[1:], r"^sparse_mla: indexer_kl takes float32 logits"),
+    (lambda i: (i[0][:, :-1],) + i[1:], r"^indexer_kl: needs logits, target and indices"),
+    (lambda i: (i[0], i[1], i[2].long()) + i[3:], r"^indexer_kl: takes float32 logits"),
+    (lambda i: i[:3] + (i[3][:-1], i[4]), r"^indexer_kl: needs hi and length \[R\]"),
+    (lambda i: (i[0].double(),) + i[1:], r"^indexer_kl: takes float32 logits"),
 ])
 def test_bad_input_is_refused_at_run_and_trace_time(args, message):
     bad = args(_inputs(R=4, K=6, S=8))
@@ -159,7 +159,7 @@ def test_bad_input_is_refused_at_run_and_trace_time(args, message):
 def test_backward_checks_its_row_tensors():
     logits, target, indices, hi, length = _inputs(R=4, K=6, S=8)
     rows = torch.zeros(4)
-    with pytest.raises(RuntimeError, match=r"^sparse_mla: indexer_kl_bwd needs dkl \[R\] float32"):
+    with pytest.raises(RuntimeError, match=r"^indexer_kl_bwd: needs dkl \[R\] float32"):
         indexer_kl_bwd(torch.zeros(3), logits, target, indices, hi, length, rows, rows)
 
 

@@ -286,7 +286,7 @@ def test_the_logits_are_the_selections_scores_in_any_chunking(name, monkeypatch)
     their backward is one ``lightning_indexer_scores_bwd`` per layer with an indexer, at the
     selected indices; its reference in chunks of one token gives the one-chunk indexer
     gradients within float32 rounding."""
-    selection_mod = importlib.import_module("mla_inductor.lightning_indexer")  # the ops module
+    selection_mod = importlib.import_module("mla_inductor.ops.lightning_indexer")  # the ops module
     model = _model(name)
     hf.apply(model, indexer_loss=True)
     ids, mask = _batch()

@@ -1,4 +1,4 @@
-"""The reference backend's indexer KL (:mod:`mla_inductor.indexer_kl`): the per-row values and
+"""The reference backend's indexer KL (:mod:`mla_inductor.ops.indexer_kl`): the per-row values and
 their gradient in PyTorch, on any device, with the SM90 kernels' arithmetic (the expansion
 ``kl = sum t log t - sum t l + tsum lse`` over the valid slots with ``t != 0``, ``lse`` from the
 row's maximum) and their rules for non-finite values (:mod:`mla_inductor.kernels.sm90.kl`)."""
@@ -26,7 +26,7 @@ def _lse(logits, valid):
 
 
 def indexer_kl(logits, target, indices, hi, length):
-    """``(kl, lse, tsum, count)`` per row (:mod:`mla_inductor.indexer_kl`)."""
+    """``(kl, lse, tsum, count)`` per row (:mod:`mla_inductor.ops.indexer_kl`)."""
     valid = _valid(indices, hi, length)
     count = valid.sum(-1, dtype=torch.int32)
     lse = _lse(logits, valid)

@@ -1,6 +1,6 @@
 """The indexer's training target for Hopper (SM90a), written in CuTe DSL.
 
-Computes, for every token ``t`` and slot ``j`` (the op :mod:`mla_inductor.indexer_target`)::
+Computes, for every token ``t`` and slot ``j`` (the op :mod:`mla_inductor.ops.indexer_target`)::
 
     w[t, j]      = sum_h exp(sm_scale * q[t, h, :d_qk] . kv[indices[t, j], :d_qk] - lse[t, h])
     target[t, j] = w[t, j] / sum_{valid i} w[t, i]                           (fp32)

@@ -44,22 +44,13 @@ def precompile_kl(arch: str = "sm_90a") -> dict:
 
 
 def _check(logits, target, indices, hi, length) -> None:
-    """ValueError / TypeError for what the kernels cannot take (the op has checked the rest)."""
-    if logits.dim() != 2 or target.shape != logits.shape or indices.shape != logits.shape:
-        raise ValueError(f"sparse_mla: sm90 indexer KL needs logits, target and indices [R, K] "
-                         f"of one shape, got {tuple(logits.shape)}, {tuple(target.shape)}, "
-                         f"{tuple(indices.shape)}")
-    if hi.shape != logits.shape[:1] or length.shape != logits.shape[:1]:
-        raise ValueError(f"sparse_mla: sm90 indexer KL needs hi and length [R], got "
-                         f"{tuple(hi.shape)}, {tuple(length.shape)}")
-    if (logits.dtype != torch.float32 or target.dtype != torch.float32
-            or indices.dtype != torch.int32 or hi.dtype != torch.int32
-            or length.dtype != torch.int32):
-        raise TypeError("sparse_mla: sm90 indexer KL takes float32 logits and target, int32 "
-                        "indices, hi and length")
-    if not logits.is_cuda or any(t.device != logits.device for t in (target, indices, hi,
-                                                                       length)):
-        raise ValueError("sparse_mla: sm90 indexer KL needs all tensors on one CUDA device")
+    """Asserts what the op checked (:mod:`mla_inductor.ops.indexer_kl`) and the backend's
+    selection ensured (a CUDA device)."""
+    assert logits.dim() == 2 and target.shape == logits.shape == indices.shape
+    assert hi.shape == logits.shape[:1] == length.shape
+    assert logits.dtype == target.dtype == torch.float32
+    assert indices.dtype == hi.dtype == length.dtype == torch.int32
+    assert logits.is_cuda and all(t.device == logits.device for t in (target, indices, hi, length))
 
 
 def forward(logits: torch.Tensor, target: torch.Tensor, indices: torch.Tensor, hi: torch.Tensor,
@@ -74,7 +65,6 @@ def forward(logits: torch.Tensor, target: torch.Tensor, indices: torch.Tensor, h
         hi, length: ``[R]`` int32.
 
     Raises:
-        ValueError / TypeError: shapes, dtypes or devices the kernel does not take.
         CompileDuringCaptureError: first use inside CUDA-graph capture.
     """
     _check(logits, target, indices, hi, length)
@@ -98,13 +88,10 @@ def backward(dkl: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
     ``[R]`` float32).
 
     Raises:
-        ValueError / TypeError: as :func:`forward`.
         CompileDuringCaptureError: first use inside CUDA-graph capture.
     """
     _check(logits, target, indices, hi, length)
-    if any(t.shape != logits.shape[:1] or t.dtype != torch.float32 for t in (dkl, lse, tsum)):
-        raise ValueError("sparse_mla: sm90 indexer KL backward needs dkl, lse and tsum [R] "
-                         "float32")
+    assert all(t.shape == logits.shape[:1] and t.dtype == torch.float32 for t in (dkl, lse, tsum))
     dlogits = torch.empty_like(logits, memory_format=torch.contiguous_format)
     if dlogits.numel() == 0:
         return dlogits

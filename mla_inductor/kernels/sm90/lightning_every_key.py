@@ -1,7 +1,7 @@
 """The lightning indexer's scores for Hopper (SM90a), written in CuTe DSL.
 
 Computes, for the flattened rows ``r = b * T + t`` of one chunk ``[r0, r1)`` and every key ``s``
-the row may see (the op :mod:`mla_inductor.lightning_indexer`)::
+the row may see (the op :mod:`mla_inductor.ops.lightning_indexer`)::
 
     buf[r - r0, s] = sum_h weights[b, t, h] * relu(q[b, t, h, :] . k[b, s, :])      (fp32)
 

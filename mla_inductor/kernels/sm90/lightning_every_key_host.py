@@ -101,15 +101,14 @@ def scores(q, k, weights, row_len, buf, b0: int, t0: int, n_tok: int, n_batch: i
             None (every key visible).
         buf: ``[>= n_batch n_tok, ld]`` float32, contiguous, ``ld >= S`` a multiple of 4; row
             ``r - r0`` receives row r's scores (entries at ``s >= row_len[r]`` unspecified).
-        q_scale: with float8_e4m3fn q and k only: ``[B, T, H]`` float32, contiguous (the
-            caller passes ones for "no q_scale").
+        q_scale: with float8_e4m3fn q and k only: ``[B, T, H]`` float32, contiguous (the op
+            resolves "no q_scale" to ones).
         k_scale: with float8_e4m3fn q and k only: ``[B, S]`` float32, contiguous.
 
     Returns nothing. Launched on the current stream; allocates nothing.
 
     Raises:
-        ValueError: unsupported shapes, head counts, a buffer whose offsets pass 2**31, or fp8
-            q and k without both scales (or scales with other dtypes).
+        ValueError: unsupported shapes, head counts or a buffer whose offsets pass 2**31.
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
     B, T, H, d = q.shape
@@ -124,9 +123,7 @@ def scores(q, k, weights, row_len, buf, b0: int, t0: int, n_tok: int, n_batch: i
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     n_splits, per = key_split(n_tiles, S, num_sms)
     fp8 = q.dtype == torch.float8_e4m3fn
-    if fp8 != (q_scale is not None) or fp8 != (k_scale is not None):
-        raise ValueError("lightning_indexer: the sm90 kernel takes q_scale and k_scale with "
-                         "float8_e4m3fn q and k, and only then")
+    assert fp8 == (q_scale is not None) == (k_scale is not None)  # the op checked the scales
     if fp8:
         q_scale, k_scale = q_scale.view(B * T, H), k_scale.view(B * S)
     key = compile_key(q.dtype, tile, row_len is not None)

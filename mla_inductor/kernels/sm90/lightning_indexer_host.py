@@ -65,9 +65,9 @@ def lightning_indexer(q, k, weights, q_positions, topk, *, q_scale=None, k_scale
         q_positions: ``[B, T]`` int32 (causal: key s visible to row (b, t) iff
             ``s <= q_positions[b, t]``) or None (not causal).
         topk: int >= 0.
-        q_scale: with float8_e4m3fn q and k only: ``[B, T, H]`` float32 or None (1: a tensor of
-            ones ``[B, T, H]`` is made for the kernel).
-        k_scale: required with float8_e4m3fn q and k, refused otherwise: ``[B, S]`` float32.
+        q_scale: with float8_e4m3fn q and k only (the op resolves None to ones): ``[B, T, H]``
+            float32.
+        k_scale: with float8_e4m3fn q and k only: ``[B, S]`` float32.
         buffer_bytes: the score buffer's budget (at least one tile of rows is always used).
 
     Returns:
@@ -75,32 +75,20 @@ def lightning_indexer(q, k, weights, q_positions, topk, *, q_scale=None, k_scale
         keys in ascending index, then -1 (score 0).
 
     Raises:
-        ValueError / TypeError: unsupported shapes, head counts, dtypes or device.
+        ValueError: a head count outside 1..64 (:func:`tokens_per_tile`).
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
     from . import topk_host
 
-    if q.dim() != 4 or k.dim() != 3 or weights.dim() != 3:
-        raise ValueError("lightning_indexer: sm90 needs q [B, T, H, D], k [B, S, D], weights "
-                         f"[B, T, H], got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(weights.shape)}")
+    # the op checked ranks, dtypes, shapes, the scales and topk; the backend's supports() D,
+    # the head count and the device
     fp8 = q.dtype == torch.float8_e4m3fn
-    if q.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) or k.dtype != q.dtype:
-        raise TypeError(f"lightning_indexer: sm90 takes q and k both bf16, fp16 or "
-                        f"float8_e4m3fn, got {q.dtype}/{k.dtype}")
-    if fp8 != (k_scale is not None) or (q_scale is not None and not fp8):
-        raise ValueError("lightning_indexer: sm90 takes k_scale (required) and q_scale with "
-                         "float8_e4m3fn q and k, and only then")
+    assert q.dim() == 4 and k.dim() == 3 and weights.dim() == 3 and k.dtype == q.dtype
+    assert fp8 == (q_scale is not None) == (k_scale is not None)
     B, T, H, d = q.shape
     S = k.shape[1]
-    if d != D or tuple(k.shape) != (B, S, D) or tuple(weights.shape) != (B, T, H):
-        raise ValueError(f"lightning_indexer: sm90 shape mismatch (D must be {D}): q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(weights.shape)}")
-    if not q.is_cuda:
-        raise ValueError("lightning_indexer: sm90 needs tensors on a CUDA device")
+    assert d == D and q.is_cuda and topk >= 0
     topk = int(topk)
-    if topk < 0:
-        raise ValueError(f"lightning_indexer: topk must be >= 0, got {topk}")
     tokens = tokens_per_tile(H)  # also checks H
     indices = torch.empty((B, T, topk), dtype=torch.int32, device=q.device)
     out_scores = torch.empty((B, T, topk), dtype=torch.float32, device=q.device)
@@ -111,9 +99,7 @@ def lightning_indexer(q, k, weights, q_positions, topk, *, q_scale=None, k_scale
     q, k = contiguous_aligned(q), contiguous_aligned(k)
     weights = weights.to(torch.float32).contiguous()
     if fp8:
-        k_scale = k_scale.to(torch.float32).contiguous()
-        q_scale = (torch.ones((B, T, H), dtype=torch.float32, device=q.device)
-                   if q_scale is None else q_scale.to(torch.float32).contiguous())
+        q_scale, k_scale = q_scale.contiguous(), k_scale.contiguous()
     row_len = row_lengths(q_positions, B, T, S, q.device)
     ld = -(-S // 4) * 4
     rows_cap = max(tokens, buffer_bytes // (ld * 4) // tokens * tokens)

@@ -66,7 +66,7 @@ def precompile_scores(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,),
 
 def check(q: torch.Tensor) -> None:
     """The kernels' own limits on ``q [B, T, H, D]``, beyond the op's checks of all the inputs
-    (:func:`mla_inductor.lightning_scores.check_inputs`): a CUDA tensor, bf16/fp16, D = 128,
+    (:func:`mla_inductor.ops.lightning_scores.check_inputs`): a CUDA tensor, bf16/fp16, D = 128,
     1 to 64 index heads, at most 2**31 - 1 rows ``B T`` (one CTA each).
 
     Raises:

@@ -98,11 +98,10 @@ def select(buf: torch.Tensor, row_len: torch.Tensor, topk: int, out_indices: tor
             capture at another row length finds its kernel).
 
     Raises:
-        ValueError / TypeError: bad ranks, shapes, dtypes, devices, layouts or topk.
+        ValueError / TypeError: bad ranks, shapes, dtypes, devices or layouts.
         CompileDuringCaptureError: first use inside CUDA-graph capture.
     """
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
-        raise ValueError(f"lightning_indexer: sm90 top-k needs an int topk >= 0, got {topk!r}")
+    assert isinstance(topk, int) and topk >= 0  # the op checked it
     if buf.dim() != 2 or row_len.dim() != 1 or out_indices.dim() != 2 or out_scores.dim() != 2:
         raise ValueError("lightning_indexer: sm90 top-k needs buf [R, ld], row_len [R], "
                          "out_indices and out_scores [R, topk]")

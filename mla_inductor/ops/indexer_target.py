@@ -10,7 +10,7 @@ so no second softmax pass runs and no ``[T, H, topk]`` tensor of the whole probl
 reference processes tokens in chunks).
 
 ``indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale) -> target``
-in the canonical layout of ``sparse_mla_fwd`` (:mod:`mla_inductor.custom_ops`): ``q [T, H, d_qk]``,
+in the canonical layout of ``sparse_mla_fwd`` (:mod:`mla_inductor.ops.sparse_mla`): ``q [T, H, d_qk]``,
 ``kv [S, d_qk]``, ``indices [T, topk]`` int32, ``topk_length [T]`` int32 or None,
 ``q_positions [T]`` int32 or None (causal), ``attn_sink [H]`` float32 or None, ``lse [T, H]``
 float32; returns ``target [T, topk]`` float32; and its entry op ``indexer_target_entry(q, kv,
@@ -27,11 +27,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends, layout, lowering
-from .validation import (check_features, check_forward_inputs, check_lse, check_sm_scale, require,
+from .. import backends, layout, lowering
+from .registry import custom_op, entry_op
+from ..validation import (check_features, check_forward_inputs, check_lse, check_sm_scale, require,
                          sink_in_float32)
-
-_LAYOUT = (torch.Tag.needs_contiguous_strides,)
 
 
 def _check(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale) -> None:
@@ -41,7 +40,7 @@ def _check(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale) -
     check_sm_scale(sm_scale)
 
 
-@torch.library.custom_op("mla_inductor::indexer_target", mutates_args=(), tags=_LAYOUT)
+@custom_op("indexer_target")
 def indexer_target(
     q: Tensor,
     kv: Tensor,
@@ -95,13 +94,6 @@ def _(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
 # :func:`mla_inductor.sparse_mla`: Dynamo keeps it as one node, so the layout code (whose checks
 # Dynamo cannot trace) runs in its CompositeImplicitAutograd decomposition, on FakeTensors at
 # trace time, and leaves ``indexer_target`` in the graph.
-_lib = torch.library.Library("mla_inductor", "FRAGMENT")
-_lib.define(
-    "indexer_target_entry(Tensor q, Tensor kv, Tensor indices, Tensor lse, Tensor? topk_length, "
-    "Tensor? q_positions, Tensor? attn_sink, bool causal, float sm_scale) -> Tensor"
-)
-
-
 def _indexer_target_entry(q, kv, indices, lse, topk_length, q_positions, attn_sink, causal,
                           sm_scale):
     flat = layout.flatten(q.detach(), kv.detach(), indices, topk_length, causal, q_positions)
@@ -121,4 +113,8 @@ def _indexer_target_entry(q, kv, indices, lse, topk_length, q_positions, attn_si
     return target if flat.batch is None else target.view(*flat.batch, target.shape[-1])
 
 
-_lib.impl("indexer_target_entry", _indexer_target_entry, "CompositeImplicitAutograd")
+entry_op(
+    "indexer_target_entry(Tensor q, Tensor kv, Tensor indices, Tensor lse, Tensor? topk_length, "
+    "Tensor? q_positions, Tensor? attn_sink, bool causal, float sm_scale) -> Tensor",
+    _indexer_target_entry,
+)

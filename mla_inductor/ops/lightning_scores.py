@@ -36,10 +36,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import backends, layout, lowering
-from .validation import INDEX_DTYPES, SUPPORTED_DTYPES, check_for
-
-_LAYOUT = (torch.Tag.needs_contiguous_strides,)
+from .. import backends, layout, lowering
+from .registry import custom_op, entry_op
+from ..validation import INDEX_DTYPES, SUPPORTED_DTYPES, check_for
 
 
 def _check(cond, message: str) -> None:
@@ -103,7 +102,7 @@ def _dims(q: Tensor, k: Tensor) -> tuple:
     return q.shape[1], q.shape[2], k.shape[1], q.shape[3], 0, frozenset()
 
 
-@torch.library.custom_op("mla_inductor::lightning_indexer_scores", mutates_args=(), tags=_LAYOUT)
+@custom_op("lightning_indexer_scores")
 def lightning_indexer_scores(q: Tensor, k: Tensor, weights: Tensor, indices: Tensor) -> Tensor:
     """``scores [B, T, topk]`` float32 on the backend :mod:`mla_inductor.backends` selects
     (module docstring: definition, layouts, empty slots).
@@ -125,8 +124,7 @@ def _(q, k, weights, indices):
     return q.new_empty(indices.shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("mla_inductor::lightning_indexer_scores_bwd", mutates_args=(),
-                         tags=_LAYOUT)
+@custom_op("lightning_indexer_scores_bwd")
 def lightning_indexer_scores_bwd(dscores: Tensor, q: Tensor, k: Tensor, weights: Tensor,
                                  indices: Tensor, deterministic: bool = False
                                  ) -> tuple[Tensor, Tensor, Tensor]:
@@ -175,12 +173,6 @@ def _backward(ctx, dscores):
 lightning_indexer_scores.register_autograd(_backward, setup_context=_setup_context)
 
 
-_lib = torch.library.Library("mla_inductor", "FRAGMENT")
-_lib.define(
-    "lightning_indexer_scores_entry(Tensor q, Tensor k, Tensor weights, Tensor indices) -> Tensor"
-)
-
-
 def _squeeze_head(k: Tensor, rank: int) -> Tensor:
     """``[.., S, 1, D]`` -> ``[.., S, D]``; any other rank passes through to the checks."""
     if k.dim() != rank + 1:
@@ -212,5 +204,7 @@ def _lightning_indexer_scores_entry(q, k, weights, indices):
     return scores if batched else scores[0]
 
 
-_lib.impl("lightning_indexer_scores_entry", _lightning_indexer_scores_entry,
-          "CompositeImplicitAutograd")
+entry_op(
+    "lightning_indexer_scores_entry(Tensor q, Tensor k, Tensor weights, Tensor indices) -> Tensor",
+    _lightning_indexer_scores_entry,
+)
