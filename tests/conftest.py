@@ -4,10 +4,17 @@ kept out of the user's cache folder."""
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
+
+# The integrations' GPU tests (tests/integrations/test_sm90_*.py) check the indexer's selection
+# with functions of tests/kernels/sm90/test_sm90_lightning.py; pytest's default import mode puts
+# only a test file's own folder on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "kernels" / "sm90"))
 
 
 @pytest.fixture(autouse=True)

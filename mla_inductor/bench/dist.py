@@ -41,7 +41,7 @@ Launch: the command spawns ``--ranks`` processes itself (:func:`mla_inductor.ben
 a free local port, NCCL and one GPU per rank on CUDA, gloo on the CPU) and prints the table from
 rank 0's results; it is not meant to run under ``torchrun`` and says so. ``--tiny``: H 8, d_qk
 80, d_v 64, topk 16, T 64 128, float32, with ``--train`` a model of width 32 (on the CPU by
-default: a smoke run in seconds, ``tests/test_bench.py`` runs both on 2 ranks).
+default: a smoke run in seconds, ``tests/tools/test_bench.py`` runs both on 2 ranks).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The model (:class:`Model`): ``layers`` residual DSA attention layers (:class:`At
 ``[..., T, d_qk]``, one kv head: MLA's absorbed form), ``wo [H * d_v -> dim]``, a learnable sink
 ``[H]``; parameters float32, seeded (every rank builds the same); q and kv cast to
 ``Widths.dtype`` for the op (bf16 for the GPU kernels) and its output back to float32. The
-objective is ``mean(model(x)^2)``, trained by plain SGD. ``tests/test_distributed.py`` trains the
+objective is ``mean(model(x)^2)``, trained by plain SGD. ``tests/distributed/test_distributed.py`` trains the
 same model under tensor parallelism and FSDP2.
 
 Three modes on the same batches (``x [T, dim]`` float32 ``N(0, 1)`` and ``indices [T, topk]``

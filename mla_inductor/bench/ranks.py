@@ -6,7 +6,7 @@ through a file in a temporary folder of their own (no port to pick, so no race f
 other programs on the machine) (NCCL with one GPU per rank, ``cuda:<rank>``, on CUDA; gloo on the CPU,
 the CPU's cores split between the ranks), gives the function a 1-D device mesh of every rank and
 returns each rank's JSON-serialisable result in rank order. ``bench dist`` (its layer table and
-its ``--train`` run) and ``tests/test_distributed.py`` (gloo and NCCL) run through it.
+its ``--train`` run) and ``tests/distributed/test_distributed.py`` (gloo and NCCL) run through it.
 """
 
 from __future__ import annotations

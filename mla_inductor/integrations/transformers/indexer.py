@@ -35,7 +35,7 @@ to the head weights change the scores' last bits, so at a near-tie (scores withi
 ulps) the other key may be kept; exact ties (keys at which every head's relu is 0 score exactly
 0) go to the smaller key index, where ``torch.topk``'s choice depends on the width scored. The
 selected keys' scores agree with a float64 computation of the same definition to float32
-rounding (``tests/test_transformers_indexer.py``).
+rounding (``tests/integrations/test_transformers_indexer.py``).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ and saved no peak memory: the layer's peak is the attention's backward.
 
 Memory: no ``[B, T, topk, head_dim]`` gather and no ``[B, T, n_heads, topk]`` scores are kept
 (nor formed for the whole problem). What each layer keeps for the backward
-(``tests/test_transformers_indexer_loss.py`` counts it): 12 bytes per selected slot (the int32
+(``tests/integrations/test_transformers_indexer_loss.py`` counts it): 12 bytes per selected slot (the int32
 indices, the float32 logits and target, which the KL keeps; with a padding mask 4 more, the
 selection's own indices), 384 MiB at B 1, T 16384, topk 2048, plus the indexer's queries ``[B,
 T, n_heads, head_dim]`` in the layer's dtype (256 MiB there with 64 heads of 128 in bfloat16),

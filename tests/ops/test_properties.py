@@ -22,7 +22,7 @@ kv rows that no valid slot names must get exact zero gradients.
 Profiles (``HYPOTHESIS_PROFILE``): ``ci`` (the default: small problems, 50 examples per
 backend, a few seconds on 2 CPU cores) and ``h200`` (DeepSeek's 576 / 512 widths with up to
 128 heads on the GPU backends, larger T, S and topk, 100 examples per backend:
-``HYPOTHESIS_PROFILE=h200 python -m pytest tests/test_properties.py`` on the H200).
+``HYPOTHESIS_PROFILE=h200 python -m pytest tests/ops/test_properties.py`` on the H200).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The on-disk kernel cache: where it lives, turning it off, unwritable folders, corrupt files and
 processes filling it at once. Kernels here are stand-ins that export a few bytes; the real
-export/load round trip is in ``tests/test_precompile_sm90.py``."""
+export/load round trip is in ``tests/kernels/sm90/test_precompile_sm90.py``."""
 
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def test_processes_filling_the_cache_at_once(tmp_path):
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", CHILD.format(tests=tests, ready=str(ready), index=i, children=children, keys=keys)],
-            cwd=pathlib.Path(__file__).parent.parent, env=env, stdout=subprocess.PIPE,
+            cwd=pathlib.Path(__file__).parents[3], env=env, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True,
         )
         for i in range(children)

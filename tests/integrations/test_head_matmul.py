@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from mla_inductor.integrations.transformers.head_matmul import head_matmul
 
 N, H, NOPE, ROPE, RANK, V = 24, 3, 8, 4, 16, 6
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _operands(dtype=torch.float64, seed=0, n=N):
@@ -126,7 +126,7 @@ def test_opcheck(tail):
 
 _COMPILE_THE_LAYER = """
 import json, re, sys, torch
-sys.path.insert(0, "tests")
+sys.path.insert(0, "tests/integrations")
 from test_head_matmul import _layer, _operands, head_matmul
 from torch._inductor.utils import run_and_get_code
 

@@ -197,7 +197,7 @@ def test_torch_logs_shows_the_decisions(setting):
     line per captured graph, + (DEBUG) also the eager calls."""
     env = {**os.environ, "TORCH_LOGS": setting}
     run = subprocess.run([sys.executable, "-c", _LOGGED_RUN], env=env, capture_output=True,
-                         text=True, timeout=600, cwd=pathlib.Path(__file__).parents[1])
+                         text=True, timeout=600, cwd=pathlib.Path(__file__).parents[2])
     assert run.returncode == 0, run.stderr[-2000:]
     captures = [line for line in run.stderr.splitlines() if "sparse_mla capture:" in line]
     assert len(captures) == 2, run.stderr[-2000:]

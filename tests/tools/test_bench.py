@@ -260,7 +260,7 @@ def test_time_ms_calls_times_the_calls_after_the_warmup():
 def test_hf_tiny_layer_modes_agree(monkeypatch):
     """The tiny layer's output and input gradient (T 128, topk 16: the indexer's choice matters)
     on sdpa, patched and compiled against eager, float32, within the integration's own
-    tolerances (tests/test_transformers.py); of the uncompiled modes only patched calls the op."""
+    tolerances (tests/integrations/test_transformers.py); of the uncompiled modes only patched calls the op."""
     pytest.importorskip("transformers")
     from mla_inductor.integrations import transformers as mla_hf
 

@@ -27,7 +27,8 @@ from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 from mla_inductor.integrations.transformers import indexer as ti
 from mla_inductor.kernels import reference_lightning
 
-# The indexer's widths of tests/test_transformers.py's TINY (index_topk 16, 2 heads of 16, rope 8).
+# The indexer's widths of tests/integrations/test_transformers.py's TINY (index_topk 16, 2 heads
+# of 16, rope 8).
 SIZES = dict(hidden_size=64, q_lora_rank=32, qk_rope_head_dim=8, index_topk=16, index_head_dim=16,
              index_n_heads=2, num_hidden_layers=1, max_position_embeddings=256)
 # Per model: its config, indexer and rotary classes and the RoPE its indexer applies.

@@ -3,7 +3,7 @@ reference: causal masking (default and given positions, batched and packed), the
 (-inf, 0, large; its gradient), gradients through lse, max_logits under both thresholds, and one
 fullgraph-compiled graph over several token counts. Small widths in float32, which only these
 backends take; the SM90 kernels' features are tested at their widths in
-``tests/test_sm90_features.py``.
+``tests/kernels/sm90/test_sm90_features.py``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ fresh process loads with TVM-FFI alone, never importing the CuTe DSL (``cutlass`
 compiler the object file is written and loaded through the DSL, as before. CPU only: the kernel
 compiles for sm_90a without a GPU, and the DSL's runtime library opens libcuda only at a
 kernel's first call, so loading works here too. The directory rules, concurrent writers and
-unwritable folders are in ``tests/test_kernel_cache.py``. On an SM90 GPU one more test runs the
+unwritable folders are in ``tests/kernels/sm90/test_kernel_cache.py``. On an SM90 GPU one more test runs the
 kernels a fresh process loaded from their libraries: on a side stream and in a CUDA graph."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from mla_inductor.kernels.sm90 import fwd_host  # noqa: E402
 from mla_inductor.kernels.sm90.host import compile_for_arch  # noqa: E402
 
 KEY = fwd_host.compile_key(torch.bfloat16, 512, 512, 8.0, False, False)  # a small forward
-REPO = pathlib.Path(__file__).parent.parent
+REPO = pathlib.Path(__file__).parents[3]
 
 needs_linker = pytest.mark.skipif(
     sharedlib.compiler() is None or sharedlib.runtime_libraries() is None,

@@ -30,7 +30,7 @@ VOCAB = 128
 # quarter of the keys score exactly 0 (both heads' relu 0) and rows whose head weights are all
 # negative rank those zeros first, so which of the tied keys is kept (torch.topk's tie order in
 # the unswitched model, the smaller key index on the op) changes the logits by 4-5% without
-# either choice being wrong; tests/test_transformers_indexer.py checks 2-head selections against
+# either choice being wrong; tests/integrations/test_transformers_indexer.py checks 2-head selections against
 # their float64 definition, ties allowed.
 TINY = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 MARKER = re.compile(r"<!--\s*docs-test:\s*(.*?)\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
