@@ -69,3 +69,9 @@ def flex_sparse_mla(q: Tensor, kv: Tensor, indices: Tensor, *, sm_scale: float, 
     out, lse = out
     gate = torch.sigmoid(lse - attn_sink.float()[:, None])  # [B, H, T]; lse -inf: gate 0
     return (out * gate[..., None].to(out.dtype)).transpose(1, 2)
+
+
+def failure(e: BaseException) -> str:
+    """``"<type>: <first line of the message>"``, cut to 160 characters of message: how a table
+    cell reports a FlexAttention call that failed (its compile may refuse a shape)."""
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:160]

@@ -68,6 +68,7 @@ from typing import NamedTuple
 
 import torch
 
+from .flex import failure
 from .hf import _cells, breakdown, measure
 from .hf_v4 import op_rates, rates_line, v32_rates
 from .problems import require_sm90, require_transformers, run_threads
@@ -343,8 +344,7 @@ def bench_hf_glm5_next(Ts, kpool: int = 4, tiny: bool = False, warmup: int = 2, 
                 except Exception as e:  # FlexAttention's compile may refuse the shape
                     if mode != "flex":
                         raise
-                    results[mode], notes[mode] = None, f"fails: {type(e).__name__}: " + (
-                        str(e).strip().splitlines() or [""])[0][:160] + " | -"
+                    results[mode], notes[mode] = None, "fails: " + failure(e) + " | -"
                 if results[mode] is None and mode not in notes:
                     out_of_memory.add(mode)
                 if show_breakdown and mode == "patched" and results[mode] is not None:

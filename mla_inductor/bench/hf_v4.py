@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import torch
 
+from .flex import failure
 from .hf import _cells, breakdown, measure
 from .problems import (D_QK, D_V, make_indices, require_sm90, require_transformers,
                        run_threads)
@@ -318,8 +319,7 @@ def bench_hf_v4(Ts, layer: str, tiny: bool = False, warmup: int = 2, iters: int 
                 except Exception as e:  # FlexAttention's compile may refuse the shape
                     if mode != "flex":
                         raise
-                    results[mode], failures[mode] = None, f"{type(e).__name__}: " + (
-                        str(e).strip().splitlines() or [""])[0][:160]
+                    results[mode], failures[mode] = None, failure(e)
                 if show_breakdown and mode == "patched" and results[mode] is not None:
                     with labelled_parts():
                         parts[mode] = breakdown(step, device, results[mode].ms, CATEGORIES)
