@@ -222,17 +222,42 @@ def captured_calls(step) -> dict:
     return seen
 
 
-def indexer_tflops(q, k, weights, topk: int, q_positions) -> tuple[float, float]:
-    """``(ms, TFLOPS)`` of :func:`mla_inductor.lightning_indexer` ``(q [1, T, H, D], k [1, S, D],
-    weights, topk, causal, q_positions [1, T])`` alone on CUDA (median of
-    ``triton.testing.do_bench``), the FLOPs ``2·H·D`` per visible (token, key) pair."""
+def kernel_ms(fn) -> dict:
+    """``{kernel name: ms}`` of one ``fn()`` on CUDA after a warm call, from a ``torch.profiler``
+    trace, largest first (names cut to 60 characters)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict = {}
+    for event in prof.events():
+        for kernel in event.kernels:
+            name = kernel.name[:60]
+            totals[name] = totals.get(name, 0.0) + kernel.duration / 1e3
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def indexer_tflops(q, k, weights, topk: int, q_positions) -> tuple[float, float, dict]:
+    """``(ms, TFLOPS, {kernel: ms})`` of :func:`mla_inductor.lightning_indexer` ``(q [1, T, H, D],
+    k [1, S, D], weights, topk, causal, q_positions [1, T])`` alone on CUDA (median of
+    ``triton.testing.do_bench``), the FLOPs ``2·H·D`` per visible (token, key) pair, and the
+    call's kernel times (:func:`kernel_ms`: the scores' kernel apart from the select's)."""
     from mla_inductor import lightning_indexer
 
     H, D, S = q.shape[-2], q.shape[-1], k.shape[-2]
     pairs = (q_positions.long() + 1).clamp(0, S).sum().item()
-    ms = time_ms(lambda: lightning_indexer(q, k, weights, topk, causal=True,
-                                           q_positions=q_positions))
-    return ms, 2 * H * D * pairs / ms / 1e9
+
+    def call():
+        return lightning_indexer(q, k, weights, topk, causal=True, q_positions=q_positions)
+
+    ms = time_ms(call)
+    return ms, 2 * H * D * pairs / ms / 1e9, kernel_ms(call)
+
+
+def _kernels_line(kernels: dict) -> str:
+    return ", ".join(f"{name} {ms:.2f} ms" for name, ms in list(kernels.items())[:3])
 
 
 def anchors(step, T: int) -> dict:
@@ -246,13 +271,13 @@ def anchors(step, T: int) -> dict:
     ours = op_rates(*args, **kwargs)
     del args, kwargs  # the layer's q and o (GiBs at long T) before V3.2's problem is made
     v32, v32_T = _fitting(v32_rates, T)
-    ms, tflops = indexer_tflops(iq, ik, iw, topk, positions)
+    ms, tflops, kernels = indexer_tflops(iq, ik, iw, topk, positions)
     gen = torch.Generator(device=iq.device).manual_seed(1)
     H, D = V32_INDEXER["heads"], iq.shape[-1]
     vq = torch.randn(1, T, H, D, device=iq.device, generator=gen).to(iq.dtype)
     vk = torch.randn(ik.shape, device=iq.device, generator=gen).to(ik.dtype)
     vw = torch.randn(1, T, H, device=iq.device, generator=gen) * H**-0.5
-    v32_ms, v32_tflops_ = indexer_tflops(vq, vk, vw, V32_INDEXER["topk"], positions)
+    v32_ms, v32_tflops_, v32_kernels = indexer_tflops(vq, vk, vw, V32_INDEXER["topk"], positions)
     lines = [
         "attention op alone: " + rates_line(ours),
         (f"the op at DeepSeek-V3.2's shapes (T {v32_T}, H 128, d_qk 576, d_v 512, topk 2048, "
@@ -260,14 +285,15 @@ def anchors(step, T: int) -> dict:
          f"{ours['fwd_tflops'] / v32['fwd_tflops']:.2f}, backward "
          f"{ours['bwd_tflops'] / v32['bwd_tflops']:.2f}"),
         (f"pooled indexer alone ({iq.shape[-2]} heads over {ik.shape[-2]} pools, topk {topk}): "
-         f"{ms:.2f} ms ({tflops:.0f} TFLOPS)"),
+         f"{ms:.2f} ms ({tflops:.0f} TFLOPS); kernels: {_kernels_line(kernels)}"),
         (f"lightning indexer at V3.2's configuration ({H} heads, topk {V32_INDEXER['topk']}) "
          f"over the same {T} x {ik.shape[-2]}: {v32_ms:.2f} ms ({v32_tflops_:.0f} TFLOPS); "
-         f"pooled / V3.2 rate {tflops / v32_tflops_:.2f}"),
+         f"pooled / V3.2 rate {tflops / v32_tflops_:.2f}; kernels: {_kernels_line(v32_kernels)}"),
     ]
     return {"attention": ours, "attention_v32": dict(v32, T=v32_T),
-            "indexer": {"ms": ms, "tflops": tflops},
-            "indexer_v32": {"ms": v32_ms, "tflops": v32_tflops_}, "lines": lines}
+            "indexer": {"ms": ms, "tflops": tflops, "kernels": kernels},
+            "indexer_v32": {"ms": v32_ms, "tflops": v32_tflops_, "kernels": v32_kernels},
+            "lines": lines}
 
 
 def _fitting(fn, T: int) -> tuple:
