@@ -219,8 +219,9 @@ def indexer_target(
 
     Raises:
         RuntimeError (every message starts ``sparse_mla:``): the layout, shape, dtype and device
-            checks of :func:`sparse_mla`, an lse that is not float32 ``[T, H]`` (``[B, T, H]``),
-            sm_scale not a Python number; also at trace time under ``torch.compile``. On a CUDA
+            checks of :func:`sparse_mla`, q without a head (``H = 0``), an lse that is not
+            float32 ``[T, H]`` (``[B, T, H]``), sm_scale not a Python number; also at trace time
+            under ``torch.compile``. On a CUDA
             device the target runs on the PyTorch reference (with a warning) until a kernel
             backend has it.
     """
