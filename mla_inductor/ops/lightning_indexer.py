@@ -72,11 +72,12 @@ def check_lightning_layout(
     to the canonical layout: ``q [T, H, D]`` with ``k [S, D]`` or ``[S, 1, D]`` and ``weights
     [T, H]``; batched ``q [B, T, H, D]`` with ``k [B, S, D]`` or ``[B, S, 1, D]`` and ``weights
     [B, T, H]``; ``q_positions`` (only with ``causal``) an integer ``[T]`` or, batched, ``[B, T]``;
-    the fp8 scales in the call's layout (:func:`check_lightning_scales`). Sizes, dtypes and
-    devices are checked on the canonical tensors (:func:`check_lightning_inputs`).
+    with fp8 q and k, the scales' presence and shapes in the call's layout
+    (:func:`check_lightning_scale_layout`). Sizes, dtypes and devices, the scales' among them,
+    are checked on the canonical tensors (:func:`check_lightning_inputs`).
 
     Raises:
-        RuntimeError: naming the layout expected and the shape found, or a scale's error.
+        RuntimeError: naming the layout expected and the shape found, or a missing k_scale.
     """
     _lightning_check(
         q.dim() in (3, 4),
@@ -121,43 +122,28 @@ def check_lightning_layout(
         )
         _lightning_check(q_positions.device == q.device,
                          f"q_positions on {q_positions.device}, q on {q.device}")
-    check_lightning_scales(q, k, q_scale, k_scale)
+    if q.dtype == FP8 and k.dtype == FP8:
+        check_lightning_scale_layout(q, k, q_scale, k_scale)
 
 
-def check_lightning_scales(
+def check_lightning_scale_layout(
     q: Tensor,
     k: Tensor,
     q_scale: Optional[Tensor],
     k_scale: Optional[Tensor],
     op: str = "lightning_indexer",
 ) -> None:
-    """Checks the lightning indexer's fp8 scales against ``q [T, H, D]`` and ``k [S, D]`` or
-    ``[S, 1, D]`` (batched: ``q [B, T, H, D]``, ``k [B, S, D]`` or ``[B, S, 1, D]``; the
-    canonical layout is the batched one): q and k both float8_e4m3fn or neither; with fp8,
-    ``k_scale`` required, ``[S]`` (batched ``[B, S]``), and ``q_scale`` optional, ``[T, H]``
-    (batched ``[B, T, H]``), both float32 on q's device; without fp8, no scale. Ranks of q and
-    k are checked before (:func:`check_lightning_layout`, :func:`check_lightning_inputs`).
-    ``op`` names the function whose arguments these are (each message starts with it).
+    """Checks, for float8_e4m3fn q and k, the scales in the layout of ``q [T, H, D]`` and ``k
+    [S, D]`` or ``[S, 1, D]`` (batched: ``q [B, T, H, D]``, ``k [B, S, D]`` or ``[B, S, 1, D]``;
+    the canonical layout is the batched one): ``k_scale`` given, ``[S]`` (batched ``[B, S]``),
+    and ``q_scale``, if given, ``[T, H]`` (batched ``[B, T, H]``). The entry op checks these in
+    the call's layout, so that the messages name it; :func:`check_lightning_scales` checks them
+    with the rest on the canonical tensors. ``op`` names the function whose arguments these are
+    (each message starts with it).
 
     Raises:
-        RuntimeError: a mixed fp8 / non-fp8 pair, a missing ``k_scale``, a scale given with
-            non-fp8 q and k, or a scale of the wrong shape, dtype or device.
+        RuntimeError: a missing ``k_scale`` or a scale of the wrong shape.
     """
-    fp8 = q.dtype == FP8
-    check_for(
-        op,
-        fp8 == (k.dtype == FP8),
-        f"q and k must both be {FP8} (with k_scale) or neither, got q {q.dtype} and k "
-        f"{k.dtype}; quantize both with mla_inductor.quantize_fp8",
-    )
-    if not fp8:
-        check_for(
-            op,
-            q_scale is None and k_scale is None,
-            f"q_scale and k_scale are read only with {FP8} q and k, got q {q.dtype} with "
-            + ("q_scale" if k_scale is None else "k_scale"),
-        )
-        return
     batched = q.dim() == 4
     check_for(
         op,
@@ -178,6 +164,45 @@ def check_lightning_scales(
             scale.dim() == len(shape) and all(a == b for a, b in zip(scale.shape, shape)),
             f"{name} must be {layout} = {list(shape)}, got shape {tuple(scale.shape)}",
         )
+
+
+def check_lightning_scales(
+    q: Tensor,
+    k: Tensor,
+    q_scale: Optional[Tensor],
+    k_scale: Optional[Tensor],
+    op: str = "lightning_indexer",
+) -> None:
+    """Checks the lightning indexer's fp8 scales against the canonical ``q [B, T, H, D]`` and
+    ``k [B, S, D]``: q and k both float8_e4m3fn or neither; with fp8, ``k_scale [B, S]``
+    required and ``q_scale [B, T, H]`` optional (:func:`check_lightning_scale_layout`), both
+    float32 on q's device; without fp8, no scale. Ranks of q and k are checked before
+    (:func:`check_lightning_inputs`). ``op`` names the function whose arguments these are (each
+    message starts with it).
+
+    Raises:
+        RuntimeError: a mixed fp8 / non-fp8 pair, a missing ``k_scale``, a scale given with
+            non-fp8 q and k, or a scale of the wrong shape, dtype or device.
+    """
+    fp8 = q.dtype == FP8
+    check_for(
+        op,
+        fp8 == (k.dtype == FP8),
+        f"q and k must both be {FP8} (with k_scale) or neither, got q {q.dtype} and k "
+        f"{k.dtype}; quantize both with mla_inductor.quantize_fp8",
+    )
+    if not fp8:
+        check_for(
+            op,
+            q_scale is None and k_scale is None,
+            f"q_scale and k_scale are read only with {FP8} q and k, got q {q.dtype} with "
+            + ("q_scale" if k_scale is None else "k_scale"),
+        )
+        return
+    check_lightning_scale_layout(q, k, q_scale, k_scale, op)
+    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if scale is None:
+            continue
         check_for(op, scale.dtype == torch.float32, f"{name} must be float32, got {scale.dtype}")
         check_for(op, scale.device == q.device, f"{name} on {scale.device}, q on {q.device}")
 
