@@ -1,7 +1,7 @@
 """The public entry points: :func:`sparse_mla` (argument types in, the entry op, outputs out), and
 the indexer's training signal, :func:`indexer_target` and :func:`indexer_kl_loss`, the
-indexer's selection, :func:`lightning_indexer`, and its differentiable scores of the selected
-keys, :func:`lightning_indexer_scores`."""
+indexer's selection, :func:`lightning_indexer` (:func:`lightning_indexer_seen` under a dense
+mask), and its differentiable scores of the selected keys, :func:`lightning_indexer_scores`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import Tensor
 
 from . import custom_ops  # noqa: F401  (defines every op of torch.ops.mla_inductor)
 from . import layout
+from .ops import lightning_indexer as ops_lightning_indexer
 from .ops.indexer_kl import check_loss_inputs, check_loss_lengths
 
 
@@ -218,8 +219,9 @@ def indexer_target(
 
     Raises:
         RuntimeError (every message starts ``sparse_mla:``): the layout, shape, dtype and device
-            checks of :func:`sparse_mla`, an lse that is not float32 ``[T, H]`` (``[B, T, H]``),
-            sm_scale not a Python number; also at trace time under ``torch.compile``. On a CUDA
+            checks of :func:`sparse_mla`, q without a head (``H = 0``), an lse that is not
+            float32 ``[T, H]`` (``[B, T, H]``), sm_scale not a Python number; also at trace time
+            under ``torch.compile``. On a CUDA
             device the target runs on the PyTorch reference (with a warning) until a kernel
             backend has it.
     """
@@ -307,6 +309,30 @@ def indexer_kl_loss(
     return kl.sum() / (count > 0).sum().clamp_min(1)
 
 
+def _lightning_arguments(op: str, tensors: dict, optional: dict, topk):
+    """The Python argument types of a lightning-indexer function ``op``: ``tensors`` (name:
+    value) tensors, ``optional`` tensors or None, ``topk`` a Python int (a SymInt under
+    ``torch.compile``). Returns ``topk`` as an ``int`` (a symbolic size stays symbolic).
+
+    Raises:
+        RuntimeError: ``"<op>: ..."`` for a wrong type (a bool, float or tensor topk, also 0-d).
+    """
+    for name, t in tensors.items():
+        _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}",
+                 op=op)
+    for name, t in optional.items():
+        _require(t is None or isinstance(t, Tensor),
+                 f"{name} must be a torch.Tensor or None, got {type(t).__name__}", op=op)
+    if isinstance(topk, Tensor):
+        _require(False, f"topk must be a Python int, got a {topk.dim()}-d tensor; pass "
+                 "topk=int(t) outside the compiled region", op=op)
+    if isinstance(topk, bool) or not isinstance(topk, (numbers.Integral, torch.SymInt)):
+        _require(False, f"topk must be a Python int, got {topk!r}", op=op)
+    if not isinstance(topk, (int, torch.SymInt)):
+        topk = int(topk)  # e.g. a NumPy integer; a symbolic size stays symbolic
+    return topk
+
+
 def lightning_indexer(
     q: Tensor,
     k: Tensor,
@@ -379,24 +405,57 @@ def lightning_indexer(
             or more than 64 heads, fp8 included). On a CUDA device without a kernel for the
             problem the reference runs, with a warning.
     """
-    op = "lightning_indexer"
-    for name, t in (("q", q), ("k", k), ("weights", weights)):
-        _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}",
-                 op=op)
-    for name, t in (("q_positions", q_positions), ("q_scale", q_scale), ("k_scale", k_scale)):
-        _require(t is None or isinstance(t, Tensor),
-                 f"{name} must be a torch.Tensor or None, got {type(t).__name__}", op=op)
-    if isinstance(topk, Tensor):
-        _require(False, f"topk must be a Python int, got a {topk.dim()}-d tensor; pass "
-                 "topk=int(t) outside the compiled region", op=op)
-    if isinstance(topk, bool) or not isinstance(topk, (numbers.Integral, torch.SymInt)):
-        _require(False, f"topk must be a Python int, got {topk!r}", op=op)
-    if not isinstance(topk, (int, torch.SymInt)):
-        topk = int(topk)  # e.g. a NumPy integer; a symbolic size stays symbolic
+    topk = _lightning_arguments("lightning_indexer", dict(q=q, k=k, weights=weights),
+                                dict(q_positions=q_positions, q_scale=q_scale, k_scale=k_scale),
+                                topk)
     indices, scores = torch.ops.mla_inductor.lightning_indexer_entry(
         q, k, weights, q_positions, bool(causal), topk, q_scale, k_scale
     )
     return (indices, scores) if return_scores else indices
+
+
+def lightning_indexer_seen(
+    q: Tensor,
+    k: Tensor,
+    weights: Tensor,
+    seen: Tensor,
+    topk: int,
+    *,
+    q_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+) -> Tensor:
+    """:func:`lightning_indexer`'s selection where the keys each token sees are a dense mask,
+    which positions cannot express (padding, packed sequences, any attention mask): the same
+    scores (the fp8 form with its scales too), the same selection rules and outputs' form, on
+    the PyTorch reference on any device (no kernel takes a dense mask), in chunks of rows of
+    about 256 MiB of temporaries; the mask itself is the caller's ``[B or 1, T, S]`` tensor.
+
+    Args:
+        q: ``[B, T, H, D]`` index queries; bfloat16, float16, float32 or float8_e4m3fn.
+        k: ``[B, S, D]``, q's dtype.
+        weights: ``[B, T, H]`` float32 head weights, any scale folded in.
+        seen: ``[B, T, S]`` or ``[1, T, S]`` (every batch element) bool: token ``t`` sees key
+            ``s`` where True.
+        topk: a Python int ``>= 0``.
+        q_scale: only with float8_e4m3fn q and k: ``[B, T, H]`` float32; None: 1.
+        k_scale: required with float8_e4m3fn q and k, refused otherwise: ``[B, S]`` float32.
+
+    Returns:
+        ``indices [B, T, topk]`` int32: per row the selected keys in ascending key index, then
+        -1 (the indices :func:`lightning_indexer` gives for the same visibility).
+
+    Raises:
+        RuntimeError (every message starts ``lightning_indexer_seen:``): an argument of the
+            wrong type (topk not a Python int, or negative); the batched layouts above not met,
+            a batch, token, head or D mismatch, an unsupported dtype, k not of q's dtype,
+            weights not float32, a scale's error as :func:`lightning_indexer`'s, ``seen`` not
+            bool or of another shape, tensors on different devices.
+    """
+    op = "lightning_indexer_seen"
+    topk = _lightning_arguments(op, dict(q=q, k=k, weights=weights, seen=seen),
+                                dict(q_scale=q_scale, k_scale=k_scale), topk)
+    return ops_lightning_indexer.lightning_indexer_seen(q, k, weights, seen, topk, q_scale,
+                                                        k_scale)
 
 
 def lightning_indexer_scores(q: Tensor, k: Tensor, weights: Tensor, indices: Tensor) -> Tensor:

@@ -29,12 +29,14 @@ from torch import Tensor
 
 from .. import backends, layout, lowering
 from .registry import custom_op, entry_op
-from ..validation import (check_features, check_forward_inputs, check_lse, check_sm_scale, require,
-                         sink_in_float32)
+from ..validation import (check_features, check_for, check_forward_inputs, check_lse,
+                          check_sm_scale, require, sink_in_float32)
 
 
 def _check(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale) -> None:
     check_forward_inputs(q, kv, indices, topk_length, 1)  # no values are read: any d_v >= 1
+    check_for("sparse_mla", q.shape[1] >= 1, f"the indexer target sums over at least one head, "
+              f"got q [T, H, d_qk] of shape {tuple(q.shape)}")
     check_features(q, q_positions, attn_sink)
     check_lse(lse, q)
     check_sm_scale(sm_scale)
@@ -62,8 +64,8 @@ def indexer_target(
     gives NaN on that row's valid slots. Shapes and dtypes: module docstring; float32 target.
 
     Raises:
-        RuntimeError: the input checks of :mod:`mla_inductor.validation` (also from the fake
-            kernel at trace time), or a forced backend that cannot run here.
+        RuntimeError: the input checks of :mod:`mla_inductor.validation` and q without a head
+            (also from the fake kernel at trace time), or a forced backend that cannot run here.
     """
     _check(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale)
     # d_v 0: the target reads no values

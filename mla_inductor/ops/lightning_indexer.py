@@ -1,5 +1,6 @@
 """The lightning indexer: the op ``torch.ops.mla_inductor.lightning_indexer``, its fake, and its
-entry op.
+entry op; and :func:`lightning_indexer_seen`, its selection under a dense mask (no op: the
+reference's code, checked here).
 
 DeepSeek-V3.2's lightning indexer (DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context
 Efficiency with DeepSeek Sparse Attention", 2025, section 2.1) picks the keys each query token
@@ -48,6 +49,7 @@ import torch
 from torch import Tensor
 
 from .. import backends, layout, lowering
+from ..kernels import reference_lightning
 from .registry import custom_op, entry_op
 from .lightning_scores import lightning_indexer_scores_bwd
 from ..validation import FP8, SUPPORTED_DTYPES, check_for
@@ -70,11 +72,12 @@ def check_lightning_layout(
     to the canonical layout: ``q [T, H, D]`` with ``k [S, D]`` or ``[S, 1, D]`` and ``weights
     [T, H]``; batched ``q [B, T, H, D]`` with ``k [B, S, D]`` or ``[B, S, 1, D]`` and ``weights
     [B, T, H]``; ``q_positions`` (only with ``causal``) an integer ``[T]`` or, batched, ``[B, T]``;
-    the fp8 scales in the call's layout (:func:`check_lightning_scales`). Sizes, dtypes and
-    devices are checked on the canonical tensors (:func:`check_lightning_inputs`).
+    with fp8 q and k, the scales' presence and shapes in the call's layout
+    (:func:`check_lightning_scale_layout`). Sizes, dtypes and devices, the scales' among them,
+    are checked on the canonical tensors (:func:`check_lightning_inputs`).
 
     Raises:
-        RuntimeError: naming the layout expected and the shape found, or a scale's error.
+        RuntimeError: naming the layout expected and the shape found, or a missing k_scale.
     """
     _lightning_check(
         q.dim() in (3, 4),
@@ -119,41 +122,31 @@ def check_lightning_layout(
         )
         _lightning_check(q_positions.device == q.device,
                          f"q_positions on {q_positions.device}, q on {q.device}")
-    check_lightning_scales(q, k, q_scale, k_scale)
+    if q.dtype == FP8 and k.dtype == FP8:
+        check_lightning_scale_layout(q, k, q_scale, k_scale)
 
 
-def check_lightning_scales(
+def check_lightning_scale_layout(
     q: Tensor,
     k: Tensor,
     q_scale: Optional[Tensor],
     k_scale: Optional[Tensor],
+    op: str = "lightning_indexer",
 ) -> None:
-    """Checks the lightning indexer's fp8 scales against ``q [T, H, D]`` and ``k [S, D]`` or
-    ``[S, 1, D]`` (batched: ``q [B, T, H, D]``, ``k [B, S, D]`` or ``[B, S, 1, D]``; the
-    canonical layout is the batched one): q and k both float8_e4m3fn or neither; with fp8,
-    ``k_scale`` required, ``[S]`` (batched ``[B, S]``), and ``q_scale`` optional, ``[T, H]``
-    (batched ``[B, T, H]``), both float32 on q's device; without fp8, no scale. Ranks of q and
-    k are checked before (:func:`check_lightning_layout`, :func:`check_lightning_inputs`).
+    """Checks, for float8_e4m3fn q and k, the scales in the layout of ``q [T, H, D]`` and ``k
+    [S, D]`` or ``[S, 1, D]`` (batched: ``q [B, T, H, D]``, ``k [B, S, D]`` or ``[B, S, 1, D]``;
+    the canonical layout is the batched one): ``k_scale`` given, ``[S]`` (batched ``[B, S]``),
+    and ``q_scale``, if given, ``[T, H]`` (batched ``[B, T, H]``). The entry op checks these in
+    the call's layout, so that the messages name it; :func:`check_lightning_scales` checks them
+    with the rest on the canonical tensors. ``op`` names the function whose arguments these are
+    (each message starts with it).
 
     Raises:
-        RuntimeError: a mixed fp8 / non-fp8 pair, a missing ``k_scale``, a scale given with
-            non-fp8 q and k, or a scale of the wrong shape, dtype or device.
+        RuntimeError: a missing ``k_scale`` or a scale of the wrong shape.
     """
-    fp8 = q.dtype == FP8
-    _lightning_check(
-        fp8 == (k.dtype == FP8),
-        f"q and k must both be {FP8} (with k_scale) or neither, got q {q.dtype} and k "
-        f"{k.dtype}; quantize both with mla_inductor.quantize_fp8",
-    )
-    if not fp8:
-        _lightning_check(
-            q_scale is None and k_scale is None,
-            f"q_scale and k_scale are read only with {FP8} q and k, got q {q.dtype} with "
-            + ("q_scale" if k_scale is None else "k_scale"),
-        )
-        return
     batched = q.dim() == 4
-    _lightning_check(
+    check_for(
+        op,
         k_scale is not None,
         f"{FP8} q and k need k_scale, float32 {'[B, S]' if batched else '[S]'}: one scale per "
         "key row (mla_inductor.quantize_fp8 returns it)",
@@ -166,13 +159,52 @@ def check_lightning_scales(
         if scale is None:
             continue
         layout, shape = expected[name]
-        _lightning_check(
+        check_for(
+            op,
             scale.dim() == len(shape) and all(a == b for a, b in zip(scale.shape, shape)),
             f"{name} must be {layout} = {list(shape)}, got shape {tuple(scale.shape)}",
         )
-        _lightning_check(scale.dtype == torch.float32,
-                         f"{name} must be float32, got {scale.dtype}")
-        _lightning_check(scale.device == q.device, f"{name} on {scale.device}, q on {q.device}")
+
+
+def check_lightning_scales(
+    q: Tensor,
+    k: Tensor,
+    q_scale: Optional[Tensor],
+    k_scale: Optional[Tensor],
+    op: str = "lightning_indexer",
+) -> None:
+    """Checks the lightning indexer's fp8 scales against the canonical ``q [B, T, H, D]`` and
+    ``k [B, S, D]``: q and k both float8_e4m3fn or neither; with fp8, ``k_scale [B, S]``
+    required and ``q_scale [B, T, H]`` optional (:func:`check_lightning_scale_layout`), both
+    float32 on q's device; without fp8, no scale. Ranks of q and k are checked before
+    (:func:`check_lightning_inputs`). ``op`` names the function whose arguments these are (each
+    message starts with it).
+
+    Raises:
+        RuntimeError: a mixed fp8 / non-fp8 pair, a missing ``k_scale``, a scale given with
+            non-fp8 q and k, or a scale of the wrong shape, dtype or device.
+    """
+    fp8 = q.dtype == FP8
+    check_for(
+        op,
+        fp8 == (k.dtype == FP8),
+        f"q and k must both be {FP8} (with k_scale) or neither, got q {q.dtype} and k "
+        f"{k.dtype}; quantize both with mla_inductor.quantize_fp8",
+    )
+    if not fp8:
+        check_for(
+            op,
+            q_scale is None and k_scale is None,
+            f"q_scale and k_scale are read only with {FP8} q and k, got q {q.dtype} with "
+            + ("q_scale" if k_scale is None else "k_scale"),
+        )
+        return
+    check_lightning_scale_layout(q, k, q_scale, k_scale, op)
+    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale)):
+        if scale is None:
+            continue
+        check_for(op, scale.dtype == torch.float32, f"{name} must be float32, got {scale.dtype}")
+        check_for(op, scale.device == q.device, f"{name} on {scale.device}, q on {q.device}")
 
 
 def check_lightning_inputs(
@@ -183,63 +215,75 @@ def check_lightning_inputs(
     topk,
     q_scale: Optional[Tensor] = None,
     k_scale: Optional[Tensor] = None,
+    op: str = "lightning_indexer",
 ) -> None:
     """Checks the canonical inputs of ``torch.ops.mla_inductor.lightning_indexer``: ``q [B, T,
     H, D]`` bfloat16 / float16 / float32 / float8_e4m3fn, ``k [B, S, D]`` of q's dtype,
     ``weights [B, T, H]`` float32, ``q_positions [B, T]`` int32 or None, ``topk >= 0`` (an int
     or a SymInt), with fp8 ``k_scale [B, S]`` and optionally ``q_scale [B, T, H]`` float32
-    (:func:`check_lightning_scales`), all on q's device.
+    (:func:`check_lightning_scales`), all on q's device. ``op`` names the function whose
+    arguments these are (each message starts with it; :func:`lightning_indexer_seen` takes the
+    same inputs).
 
     Raises:
         RuntimeError: a wrong rank, size, dtype or device, a negative topk, or a scale's error.
     """
-    _lightning_check(q.dim() == 4, f"q must be [B, T, H, D], got shape {tuple(q.shape)}")
-    _lightning_check(k.dim() == 3, f"k must be [B, S, D], got shape {tuple(k.shape)}")
-    _lightning_check(
+    check_for(op, q.dim() == 4, f"q must be [B, T, H, D], got shape {tuple(q.shape)}")
+    check_for(op, k.dim() == 3, f"k must be [B, S, D], got shape {tuple(k.shape)}")
+    check_for(
+        op,
         weights.dim() == 3, f"weights must be [B, T, H], got shape {tuple(weights.shape)}"
     )
-    _lightning_check(
+    check_for(
+        op,
         q.dtype in SUPPORTED_DTYPES or q.dtype == FP8,
         f"q has unsupported dtype {q.dtype}; use bfloat16, float16, {FP8} with its scales (or "
         "float32 on the reference backend)",
     )
-    check_lightning_scales(q, k, q_scale, k_scale)
-    _lightning_check(k.dtype == q.dtype, f"k dtype {k.dtype} differs from q dtype {q.dtype}")
-    _lightning_check(
+    check_lightning_scales(q, k, q_scale, k_scale, op)
+    check_for(op, k.dtype == q.dtype, f"k dtype {k.dtype} differs from q dtype {q.dtype}")
+    check_for(
+        op,
         weights.dtype == torch.float32,
         f"weights must be float32 (the head weights, any scale folded in), got {weights.dtype}",
     )
     B, T, H, D = q.shape
-    _lightning_check(
+    check_for(
+        op,
         k.shape[0] == B and weights.shape[0] == B,
         f"batch size differs: q [B, T, H, D] has B={B}, k [B, S, D] has {k.shape[0]}, weights "
         f"[B, T, H] has {weights.shape[0]}",
     )
-    _lightning_check(
+    check_for(
+        op,
         k.shape[2] == D, f"mismatched D: q [.., H, D] has D={D}, k [.., S, D] has {k.shape[2]}"
     )
-    _lightning_check(
+    check_for(
+        op,
         weights.shape[1] == T and weights.shape[2] == H,
         f"weights must be [T, H] = [{T}, {H}] per batch element (q's tokens and index heads), "
         f"got shape {tuple(weights.shape[1:])}",
     )
-    _lightning_check(
+    check_for(
+        op,
         k.device == q.device and weights.device == q.device,
         f"tensors on different devices: q {q.device}, k {k.device}, weights {weights.device}",
     )
-    _lightning_check(topk >= 0, f"topk must be >= 0, got {topk}")
+    check_for(op, topk >= 0, f"topk must be >= 0, got {topk}")
     if q_positions is not None:
-        _lightning_check(
+        check_for(
+            op,
             q_positions.dim() == 2 and q_positions.shape[0] == B and q_positions.shape[1] == T,
             f"q_positions must be [B, T] = [{B}, {T}], got shape {tuple(q_positions.shape)}",
         )
-        _lightning_check(
+        check_for(
+            op,
             q_positions.dtype == torch.int32,
             f"q_positions must be int32 (the lightning_indexer API also takes int64), got "
             f"{q_positions.dtype}",
         )
-        _lightning_check(q_positions.device == q.device,
-                         f"q_positions on {q_positions.device}, q on {q.device}")
+        check_for(op, q_positions.device == q.device,
+                  f"q_positions on {q_positions.device}, q on {q.device}")
 
 
 def _outputs(q: Tensor, topk):
@@ -355,3 +399,40 @@ entry_op(
     "bool causal, SymInt topk, Tensor? q_scale=None, Tensor? k_scale=None) -> (Tensor, Tensor)",
     _lightning_indexer_entry,
 )
+
+
+def lightning_indexer_seen(
+    q: Tensor,
+    k: Tensor,
+    weights: Tensor,
+    seen: Tensor,
+    topk: int,
+    q_scale: Optional[Tensor] = None,
+    k_scale: Optional[Tensor] = None,
+) -> Tensor:
+    """The lightning indexer's selection under a dense visibility (the reference's arithmetic
+    and selection on any device; no kernel takes a dense mask): the inputs of
+    ``torch.ops.mla_inductor.lightning_indexer`` (:func:`check_lightning_inputs`) without
+    positions, and ``seen [B or 1, T, S]`` bool on q's device (True: token ``t`` sees key
+    ``s``). Returns ``indices [B, T, topk]`` int32, selected as the op selects (module
+    docstring), in the reference's chunks of rows.
+
+    Raises:
+        RuntimeError (every message starts ``lightning_indexer_seen:``): the checks of
+            :func:`check_lightning_inputs`; ``seen`` not bool, of another shape or on another
+            device.
+    """
+    op = "lightning_indexer_seen"
+    check_lightning_inputs(q, k, weights, None, topk, q_scale, k_scale, op)
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    check_for(op, seen.dtype == torch.bool,
+              f"seen must be bool (True: the token sees the key), got {seen.dtype}")
+    check_for(
+        op,
+        seen.dim() == 3 and (seen.shape[0] == 1 or seen.shape[0] == B) and seen.shape[1] == T
+        and seen.shape[2] == S,
+        f"seen must be [B or 1, T, S] = [{B} or 1, {T}, {S}], got shape {tuple(seen.shape)}",
+    )
+    check_for(op, seen.device == q.device, f"seen on {seen.device}, q on {q.device}")
+    return reference_lightning.lightning_indexer_seen(q, k, weights, seen, topk, q_scale,
+                                                      k_scale)[0]

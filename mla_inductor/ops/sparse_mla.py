@@ -246,13 +246,13 @@ sparse_mla_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # The entry op. Its CompositeImplicitAutograd body runs in eager and while AOTAutograd traces,
-# which is where the threshold policy can see whether a backward graph exists.
+# which is where the threshold policy can see whether a backward graph exists. A given
+# rescale_threshold reaches sparse_mla_fwd unchanged, whose checks (its fake at trace time, its
+# body at run time) are the only ones.
 def _sparse_mla(q, kv, indices, topk_length, q_positions, attn_sink, causal, sm_scale, d_v,
                 rescale_threshold, return_max_logits):
     check_no_func_transform()
     check_no_forward_ad(q, kv, attn_sink)
-    if rescale_threshold is not None:
-        check_rescale_threshold(rescale_threshold, q.dtype)
     attn_sink = sink_in_float32(attn_sink)
     flat = layout.flatten(q, kv, indices, topk_length, causal, q_positions)
     decision = threshold_policy.decide(q, kv, rescale_threshold, attn_sink)

@@ -95,6 +95,33 @@ def test_unsupported_shape_warns_once_per_reason(fake_gpu, monkeypatch):
     assert "sm90 kernels support (d_qk, d_v)" in messages[0]
 
 
+def test_a_forced_sm90_refuses_what_its_launchers_assert(fake_gpu, monkeypatch):
+    """The sm90 launchers assert their kernels' limits: the selection refuses a problem outside
+    them first, with the op's name."""
+    fake_gpu((9, 0))
+    monkeypatch.setattr(sm90, "available", lambda: (True, ""))
+    refused = [
+        ("sparse_mla", CUDA, torch.bfloat16, "forward", (4, 2, 16, 256, 256),
+         r"sm90 kernels support \(d_qk, d_v\) in .*got \(256, 256\)"),
+        ("sparse_mla", CUDA, torch.float32, "backward", DIMS, "float32 runs on the reference"),
+        ("sparse_mla", torch.device("cpu"), torch.bfloat16, "forward", DIMS,
+         "the tensors are on cpu, not on a CUDA device"),
+        ("sparse_mla", CUDA, torch.bfloat16, "indexer_target", (4, 2, 16, 256, 0),
+         r"sm90 indexer target supports d_qk in \(576, 512\), got 256"),
+        ("sparse_mla", CUDA, torch.bfloat16, "indexer_target", (4, 129, 16, 576, 0),
+         "sm90 indexer target supports at most 128 heads, got 129"),
+        ("lightning_indexer", CUDA, torch.bfloat16, "lightning_indexer", (4, 0, 16, 128, 0),
+         "sm90 lightning indexer supports 1 to 64 index heads, got 0"),
+        ("lightning_indexer_scores", CUDA, torch.float16, "lightning_indexer_scores_bwd",
+         (4, 2, 16, 64, 0), "sm90 lightning_indexer_scores_bwd supports D = 128, got 64"),
+    ]
+    with use_backend("sm90"):
+        for op, device, dtype, direction, dims, reason in refused:
+            with pytest.raises(RuntimeError, match=f"^{op}: mla_inductor backend 'sm90' cannot "
+                                                   f"run here: {reason}"):
+                backends.select(device, dtype, direction, dims)
+
+
 def test_backend_that_cannot_run_warns_with_its_reason(fake_gpu, monkeypatch):
     fake_gpu((9, 0))
     monkeypatch.setattr(sm90, "available", lambda: (False, "sm90: nvidia-cutlass-dsl not importable (x)"))

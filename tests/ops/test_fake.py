@@ -111,6 +111,19 @@ def test_bad_input_raises_at_trace_time(case):
         assert "sparse_mla:" in str(info.value).splitlines()[1]
 
 
+def test_a_given_rescale_threshold_is_checked_once(monkeypatch):
+    """By sparse_mla_fwd alone (its body in eager; its fake at trace time), which the entry op
+    passes it to unchanged."""
+    from mla_inductor.ops import sparse_mla as ops
+
+    checked = []
+    real = ops.check_rescale_threshold
+    monkeypatch.setattr(ops, "check_rescale_threshold", lambda *a: checked.append(a) or real(*a))
+    q, kv, idx = _good()
+    sparse_mla(q, kv, idx, d_v=16, rescale_threshold=4.0)
+    assert checked == [(4.0, torch.bfloat16)]
+
+
 def test_what_a_compiled_caller_sees():
     """docs/api.md's account: a RuntimeError whose first line is Dynamo's and whose second ends
     with our message; under ``set_stance("force_eager")`` our RuntimeError alone."""

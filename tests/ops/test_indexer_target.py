@@ -182,6 +182,11 @@ def test_errors_in_eager_and_at_trace_time():
         indexer_target(q, kv, idx, bad[:, :3].double())
     with pytest.raises(RuntimeError, match=r"sparse_mla: batched lse must be \[B, T, H\]"):
         indexer_target(q[None], kv[None], idx[None], torch.zeros(6, 3))
+    headless = r"^sparse_mla: the indexer target sums over at least one head, got q .*\(6, 0, "
+    with pytest.raises(RuntimeError, match=headless):
+        indexer_target(q[:, :0], kv, idx, bad[:, :0])
+    with pytest.raises(Exception, match=headless[1:]):
+        compiled(q[:, :0], kv, idx, bad[:, :0])
     with pytest.raises(RuntimeError, match="^indexer_kl_loss: indexer_logits, target and indices "
                                            "must have one shape"):
         indexer_kl_loss(torch.zeros(6, 4), torch.zeros(6, 5), idx, kv_len=12)

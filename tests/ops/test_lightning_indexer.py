@@ -31,7 +31,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_properties import PROFILE  # noqa: F401  (registers and loads the hypothesis profiles)
-from mla_inductor import backends, lightning_indexer, use_backend
+from mla_inductor import (backends, lightning_indexer, lightning_indexer_seen, quantize_fp8,
+                          use_backend)
 from mla_inductor.kernels import reference, reference_lightning, sm90
 
 op = torch.ops.mla_inductor.lightning_indexer
@@ -591,6 +592,60 @@ def assert_op_and_fake_raise(cases) -> None:
             fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
             with pytest.raises(RuntimeError, match="^lightning_indexer: " + message):
                 op(*fake)
+
+
+# -- a dense visibility ---------------------------------------------------------------------------
+
+def test_a_dense_mask_selects_as_the_positions_it_stands_for():
+    """``lightning_indexer_seen`` under the mask of causal positions (``[B, T, S]``, and ``[1, T,
+    S]`` for every batch element) selects bitwise as the op with those positions, in fp8 too;
+    under any mask, the float64 definition's selection of the keys it shows."""
+    B, T, S, H, D, topk = 3, 9, 14, 2, 8, 5
+    q, k, w = inputs(B, T, S, H, D, seed=21)
+    pos = torch.randint(-2, S + 2, (B, T), generator=torch.Generator().manual_seed(22))
+    want = lightning_indexer(q, k, w, topk, causal=True, q_positions=pos)
+    assert torch.equal(lightning_indexer_seen(q, k, w, seen_mask(B, T, S, pos), topk), want)
+    shared = lightning_indexer(q, k, w, topk, causal=True, q_positions=pos[0])
+    assert torch.equal(lightning_indexer_seen(q, k, w, seen_mask(1, T, S, pos[:1]), topk),
+                       shared)
+    (q8, q_scale), (k8, k_scale) = quantize_fp8(q), quantize_fp8(k)
+    scales = dict(q_scale=q_scale, k_scale=k_scale)
+    assert torch.equal(
+        lightning_indexer_seen(q8, k8, w, seen_mask(B, T, S, pos), topk, **scales),
+        lightning_indexer(q8, k8, w, topk, causal=True, q_positions=pos, **scales))
+    qi, ki, wi = inputs(B, T, S, H, D, seed=23, integers=True)
+    seen = torch.rand(B, T, S, generator=torch.Generator().manual_seed(24)) < 0.5
+    score, _ = scores_fp64(qi, ki, wi)
+    order = score.masked_fill(~seen, -math.inf).sort(dim=-1, descending=True, stable=True).indices
+    got = lightning_indexer_seen(qi, ki, wi, seen, topk)
+    for b in range(B):
+        for t in range(T):
+            n = min(topk, int(seen[b, t].sum()))
+            assert got[b, t, :n].tolist() == order[b, t, :n].sort().values.tolist()
+            assert (got[b, t, n:] == -1).all()
+
+
+def test_a_dense_mask_is_checked_with_its_own_name():
+    q, k, w = inputs(2, 6, 10, 3, 8, seed=25)
+    seen = torch.ones(2, 6, 10, dtype=torch.bool)
+    cases = {
+        "seen must be a torch.Tensor, got list": (q, k, w, seen.tolist(), 3),
+        "seen must be bool .*got torch.float32": (q, k, w, seen.float(), 3),
+        r"seen must be \[B or 1, T, S\] = \[2 or 1, 6, 10\], got shape \(2, 6, 9\)":
+            (q, k, w, seen[..., :9], 3),
+        r"seen must be \[B or 1, T, S\].*got shape \(6, 10\)": (q, k, w, seen[0], 3),
+        "seen on meta, q on cpu": (q, k, w, seen.to("meta"), 3),
+        "weights must be float32 .*got torch.float64": (q, k, w.double(), seen, 3),
+        r"q must be \[B, T, H, D\]": (q[0], k, w, seen, 3),
+        "topk must be >= 0, got -1": (q, k, w, seen, -1),
+        "topk must be a Python int, got 2.0": (q, k, w, seen, 2.0),
+    }
+    for message, args in cases.items():
+        with pytest.raises(RuntimeError, match="^lightning_indexer_seen: " + message):
+            lightning_indexer_seen(*args)
+    q8, k8 = q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match="^lightning_indexer_seen: .* need k_scale"):
+        lightning_indexer_seen(q8, k8, w, seen, 3)
 
 
 # -- backend selection --------------------------------------------------------------------------

@@ -321,6 +321,19 @@ def test_bad_input_raises_at_trace_time(name):
         compiled(*args)
 
 
+def test_the_scales_dtypes_and_devices_are_checked_once(monkeypatch):
+    """On the op's canonical tensors alone; the entry op checks only what names the call's
+    layout (a missing k_scale, the shapes)."""
+    from mla_inductor.ops import lightning_indexer as ops
+
+    checked = []
+    real = ops.check_lightning_scales
+    monkeypatch.setattr(ops, "check_lightning_scales", lambda *a: checked.append(a) or real(*a))
+    q8, k8, w, qs, ks = fp8_inputs(1, 6, 10, 3, 8, seed=17)
+    lightning_indexer(q8[0], k8[0], w[0], 4, q_scale=qs[0], k_scale=ks[0])
+    assert len(checked) == 1 and checked[0][0].dim() == 4
+
+
 def test_the_op_and_its_fake_check_the_canonical_scales():
     """Called directly (the fake at trace time, the op at run time) with canonical-layout
     errors: flat scales, a missing k_scale, a mixed pair."""

@@ -84,6 +84,14 @@ def test_nothing_below_the_tools_imports_them():
     assert not {(m, dep) for m, deps in below.items() for dep in deps if _is_tool(dep)}
 
 
+def test_the_integrations_reach_the_kernels_through_the_api():
+    """An integration calls the public functions and ops, which check the arguments and choose
+    the backend; importing a kernel module would pass both."""
+    graph = _graph()
+    assert not {(m, dep) for m, deps in graph.items() if m.startswith("mla_inductor.integrations")
+                for dep in deps if dep.startswith("mla_inductor.kernels")}
+
+
 def test_no_import_cycles():
     graph = _graph()
     state: dict[str, str] = {}

@@ -25,8 +25,7 @@ Which keys a token sees (:class:`Visibility`, or a dense mask):
   tie-breaking (smaller key index) included; the indices are mapped back;
 - a dense mask ``[B or 1, T, S]`` (the model's own, with packed sequences or an attention
   implementation other than the one :mod:`.visibility` sets): the op's reference arithmetic
-  and selection with that visibility, on any device
-  (:func:`mla_inductor.kernels.reference_lightning.lightning_indexer_seen`).
+  and selection with that visibility, on any device (:func:`mla_inductor.lightning_indexer_seen`).
 
 Either way a row's selected keys come in ascending key index, then -1 where it sees fewer than
 ``min(index_topk, S)`` (transformers' indexer names hidden keys there, which its attention then
@@ -45,8 +44,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from ...api import lightning_indexer, lightning_indexer_scores
-from ...kernels.reference_lightning import lightning_indexer_seen
+from ...api import lightning_indexer, lightning_indexer_scores, lightning_indexer_seen
 from ...quantize import quantize_fp8
 from .visibility import Visibility, dense_seen, gather_seen, scatter_back
 
@@ -236,7 +234,7 @@ def _selection(q: Tensor, k: Tensor, w: Tensor, topk: int, visibility: Visibilit
     """The indices of :func:`_select` without scores, quantised per row first with ``fp8``."""
     if not isinstance(visibility, Visibility):
         q, k, scales = quantized(q, k) if fp8 else (q, k, {})
-        return lightning_indexer_seen(q, k, w, dense_seen(visibility), topk, **scales)[0]
+        return lightning_indexer_seen(q, k, w, dense_seen(visibility), topk, **scales)
     keys, positions, order = k, visibility.positions, None
     if visibility.keys is not None:
         keys, positions, order = gather_seen(k, visibility.keys.to(torch.bool), positions)

@@ -2,8 +2,8 @@
 :class:`mla_inductor.backends.Backend`). The forward's kernel is in :mod:`.fwd`, the backward's in
 :mod:`.bwd`, the indexer's training target in :mod:`.indexer_target_kernel`, the lightning
 indexer's scores for every key in :mod:`.lightning_every_key` (bf16 / fp16, and float8_e4m3fn
-with its scales); each has its launcher (argument checks, compile key, kernel cache, launch) in
-:mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_target_host`,
+with its scales); each has its launcher (its preconditions asserted, compile key, kernel cache,
+launch) in :mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_target_host`,
 :mod:`.lightning_every_key_host`, which import the CuTe DSL only to compile a kernel that is not
 cached. Over long kv the backward first sorts each row's slots (:mod:`.rowsort`, launched by
 :mod:`.rowsort_host`). The lightning indexer's scores and top-k select are composed in

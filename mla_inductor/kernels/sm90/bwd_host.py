@@ -1,5 +1,6 @@
-"""Host side of the SM90 sparse-MLA backward (the kernel is :mod:`.bwd`): argument checks,
-the static compile key, the kernel cache, the launch on torch's current stream, and the dkv
+"""Host side of the SM90 sparse-MLA backward (the kernel is :mod:`.bwd`): its preconditions
+(asserted: the op checks the arguments and the backend's selection the kernel's limits), the
+static compile key, the kernel cache, the launch on torch's current stream, and the dkv
 accumulator's column order (:func:`dkv_interleave`, :func:`dkv_deinterleave`,
 :func:`dkv_from_accum`), and the choice to sort each row's slots first (:func:`sorts_rows`,
 the sort in :mod:`.rowsort_host`). It imports the CuTe DSL only to compile a kernel that the cache
@@ -150,42 +151,25 @@ def backward_into(dout, q, kv, indices, topk_length, out, lse, o_lo, sm_scale, d
     seed a non-zero buffer with :func:`dkv_interleave`.
 
     Raises:
-        ValueError: unsupported shapes/dtypes, a misaligned/non-contiguous ``dkv_accum``, or
-            ``sort_rows=True`` with more than :data:`.rowsort_host.MAX_SLOTS` slots a row.
+        CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
     T, H, d_qk = q.shape
     S = kv.shape[0]
-    if (d_qk, d_v) not in SUPPORTED_DIMS:
-        raise ValueError(f"sm90 backward supports (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}")
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype or dout.dtype != q.dtype:
-        raise ValueError(f"sm90 backward needs q, kv, dout of one dtype, bf16 or fp16; got "
-                         f"{q.dtype}, {kv.dtype}, {dout.dtype}")
-    if kv.dim() != 2 or kv.shape[1] != d_qk or tuple(dout.shape) != (T, H, d_v) \
-            or tuple(out.shape) != (T, H, d_v) or tuple(lse.shape) != (T, H) \
-            or (o_lo.numel() > 0 and tuple(o_lo.shape) != (T, H, d_v)):
-        raise ValueError(f"shapes: q {tuple(q.shape)}, kv {tuple(kv.shape)} (need [S, d_qk]), dout "
-                         f"{tuple(dout.shape)} and out {tuple(out.shape)} (need [T, H, d_v]), lse "
-                         f"{tuple(lse.shape)} (need [T, H]), o_lo {tuple(o_lo.shape)} (need "
-                         f"[T, H, d_v] or empty)")
-    if out.dtype != q.dtype or o_lo.dtype != q.dtype or lse.dtype != torch.float32:
-        raise ValueError(f"out and o_lo must have q's dtype and lse float32; got {out.dtype}, "
-                         f"{o_lo.dtype}, {lse.dtype}")
-    if indices.dtype != torch.int32 or indices.dim() != 2 or indices.shape[0] != T:
-        raise ValueError(f"indices must be int32 [T, topk], got {indices.dtype} {tuple(indices.shape)}")
+    assert (d_qk, d_v) in SUPPORTED_DIMS
+    assert q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == dout.dtype == q.dtype
+    assert kv.dim() == 2 and kv.shape[1] == d_qk
+    assert dout.shape == out.shape == (T, H, d_v) and lse.shape == (T, H)
+    assert o_lo.numel() == 0 or o_lo.shape == (T, H, d_v)
+    assert out.dtype == o_lo.dtype == q.dtype and lse.dtype == torch.float32
+    assert indices.dtype == torch.int32 and indices.dim() == 2 and indices.shape[0] == T
     deterministic = dkv_scale is not None
-    accum_dtype = torch.int64 if deterministic else torch.float32
-    if (dkv_accum.dtype != accum_dtype or tuple(dkv_accum.shape) != (S, d_qk)
-            or not dkv_accum.is_contiguous() or dkv_accum.data_ptr() % 16 != 0):
-        raise ValueError(f"dkv_accum must be a contiguous, 16-byte aligned {accum_dtype} [S, d_qk] "
-                         "tensor (int64 exactly when dkv_scale is passed)")
-    if deterministic and (dkv_scale.dtype != torch.float32 or dkv_scale.numel() != 1):
-        raise ValueError("dkv_scale must be a float32 tensor of one element")
-    if attn_sink is not None and (attn_sink.dtype != torch.float32 or tuple(attn_sink.shape) != (H,)):
-        raise ValueError(f"attn_sink must be float32 [H] = [{H}], got {attn_sink.dtype} "
-                         f"{tuple(attn_sink.shape)}")
-    if dpsum_out is not None and (dpsum_out.dtype != torch.float32 or tuple(dpsum_out.shape) != (T, H)
-                                  or not dpsum_out.is_contiguous()):
-        raise ValueError("dpsum_out must be a contiguous float32 [T, H] tensor")
+    assert dkv_accum.dtype == (torch.int64 if deterministic else torch.float32)
+    assert dkv_accum.shape == (S, d_qk) and dkv_accum.is_contiguous()
+    assert dkv_accum.data_ptr() % 16 == 0
+    assert not deterministic or (dkv_scale.dtype == torch.float32 and dkv_scale.numel() == 1)
+    assert attn_sink is None or (attn_sink.dtype == torch.float32 and attn_sink.shape == (H,))
+    assert dpsum_out is None or (dpsum_out.dtype == torch.float32 and dpsum_out.shape == (T, H)
+                                 and dpsum_out.is_contiguous())
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     if T == 0 or H == 0:
         return dq
@@ -225,7 +209,6 @@ def backward(dout, dlse, q, kv, indices, topk_length, q_positions, attn_sink, ou
     no atomics); the accumulator then takes ``S * d_qk * 8`` bytes instead of 4.
 
     Raises:
-        ValueError: as :func:`backward_into`.
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
     accum_dtype = torch.int64 if deterministic else torch.float32

@@ -1,4 +1,5 @@
-"""Host side of the SM90 sparse-MLA forward (the kernel is :mod:`.fwd`): argument checks,
+"""Host side of the SM90 sparse-MLA forward (the kernel is :mod:`.fwd`): its preconditions
+(asserted: the op checks the arguments and the backend's selection the kernel's limits),
 output allocation, the static compile key, the kernel cache and the launch on torch's current
 stream. It imports the CuTe DSL only to compile a kernel that the cache (memory, then disk)
 does not have, so a process whose disk cache is warm never imports it (see
@@ -83,23 +84,16 @@ def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, 
         equal to its head's sink (-inf without a sink).
 
     Raises:
-        ValueError / TypeError: unsupported shapes, head dims, device or dtypes.
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
     if kv.dim() == 3:
         kv = kv.squeeze(1)
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2:
-        raise ValueError("sm90 forward: need q [T, H, d_qk], kv [S, d_qk], indices [T, topk]")
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
-        raise TypeError(f"sm90 forward: q and kv must both be bf16 or fp16, got {q.dtype}/{kv.dtype}")
+    assert q.dim() == 3 and kv.dim() == 2 and indices.dim() == 2
+    assert q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
     T, H, d_qk = q.shape
-    if (d_qk, d_v) not in SUPPORTED_DIMS:
-        raise ValueError(f"sm90 forward: supports (d_qk, d_v) in {SUPPORTED_DIMS}, got {(d_qk, d_v)}")
-    if not q.is_cuda:
-        raise ValueError("sm90 forward: tensors must be on a CUDA device")
-    if kv.shape[1] != d_qk or indices.shape[0] != T:
-        raise ValueError(f"sm90 forward: shape mismatch q {tuple(q.shape)} kv {tuple(kv.shape)} "
-                         f"indices {tuple(indices.shape)}")
+    assert (d_qk, d_v) in SUPPORTED_DIMS
+    assert q.is_cuda
+    assert kv.shape[1] == d_qk and indices.shape[0] == T
     out = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     o_lo = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device) if return_o_lo else q.new_empty(0)

@@ -1,6 +1,7 @@
-"""Host side of the SM90 indexer target (the kernel is :mod:`.indexer_target_kernel`): argument
-checks, the head tile, output allocation, the static compile key, the kernel cache and the launch on
-torch's current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory,
+"""Host side of the SM90 indexer target (the kernel is :mod:`.indexer_target_kernel`): its
+preconditions (asserted: the op checks the arguments and the backend's selection the kernel's
+limits), the head tile, output allocation, the static compile key, the kernel cache and the launch
+on torch's current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory,
 then disk) does not have, so a process whose disk cache is warm never imports it (see
 :mod:`mla_inductor.kernels.cache`).
 """
@@ -23,7 +24,7 @@ def tile_heads_for(num_heads: int) -> int:
     """The head tile (wgmma N) for ``num_heads``: 64 up to 64 heads, else 128.
 
     Raises:
-        ValueError: above 128 heads.
+        ValueError: outside 1..128 heads (a head count given to :func:`precompile_target`).
     """
     if not 1 <= num_heads <= TILE_HEADS[-1]:
         raise ValueError(f"sparse_mla: the sm90 indexer target supports 1 to {TILE_HEADS[-1]} "
@@ -85,25 +86,15 @@ def indexer_target(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_
         ``target [T, topk]`` float32, contiguous.
 
     Raises:
-        ValueError / TypeError: unsupported shapes, head counts, widths, device or dtypes.
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
     del attn_sink
-    if q.dim() != 3 or kv.dim() != 2 or indices.dim() != 2 or lse.dim() != 2:
-        raise ValueError("sparse_mla: sm90 indexer target needs q [T, H, d_qk], kv [S, d_qk], "
-                         "indices [T, topk], lse [T, H]")
-    if q.dtype not in (torch.bfloat16, torch.float16) or kv.dtype != q.dtype:
-        raise TypeError(f"sparse_mla: sm90 indexer target takes q and kv both bf16 or fp16, got "
-                        f"{q.dtype}/{kv.dtype}")
+    assert q.dim() == 3 and kv.dim() == 2 and indices.dim() == 2 and lse.dim() == 2
+    assert q.dtype in (torch.bfloat16, torch.float16) and kv.dtype == q.dtype
     T, H, d_qk = q.shape
-    if d_qk not in D_QK or kv.shape[1] != d_qk:
-        raise ValueError(f"sparse_mla: sm90 indexer target supports d_qk in {D_QK}, got q "
-                         f"{tuple(q.shape)}, kv {tuple(kv.shape)}")
-    if indices.shape[0] != T or tuple(lse.shape) != (T, H):
-        raise ValueError(f"sparse_mla: sm90 indexer target: shape mismatch q {tuple(q.shape)} "
-                         f"indices {tuple(indices.shape)} lse {tuple(lse.shape)}")
-    if not q.is_cuda:
-        raise ValueError("sparse_mla: sm90 indexer target needs tensors on a CUDA device")
+    assert d_qk in D_QK and kv.shape[1] == d_qk
+    assert indices.shape[0] == T and lse.shape == (T, H)
+    assert q.is_cuda
     tile = tile_heads_for(H)
     if T == 0 or indices.shape[1] == 0 or kv.shape[0] == 0:
         return torch.zeros(indices.shape, dtype=torch.float32, device=q.device)

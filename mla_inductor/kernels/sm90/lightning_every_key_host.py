@@ -1,6 +1,7 @@
 """Host side of the SM90 lightning-indexer score kernel for every key (the kernel is
-:mod:`.lightning_every_key`; bf16, fp16 and float8_e4m3fn, whose q_scale and k_scale it passes
-on): the head tile, the key split, the static compile key, the kernel cache and the launch on
+:mod:`.lightning_every_key`; bf16, fp16 and float8_e4m3fn, whose q_scale and k_scale it passes on):
+its preconditions (asserted: the op checks the arguments and the backend's selection the kernel's
+limits), the head tile, the key split, the static compile key, the kernel cache and the launch on
 torch's current stream. It imports the CuTe DSL only to compile a kernel that the cache (memory,
 then disk) does not have (see :mod:`mla_inductor.kernels.cache`).
 """
@@ -26,7 +27,7 @@ def head_tile_for(num_heads: int) -> int:
     them; tokens x head tile = 256).
 
     Raises:
-        ValueError: outside 1..64.
+        ValueError: outside 1..64 (a head count given to :func:`precompile_scores`).
     """
     if not 1 <= num_heads <= HEAD_TILES[-1]:
         raise ValueError(f"lightning_indexer: the sm90 kernel supports 1 to {HEAD_TILES[-1]} "
@@ -108,16 +109,17 @@ def scores(q, k, weights, row_len, buf, b0: int, t0: int, n_tok: int, n_batch: i
     Returns nothing. Launched on the current stream; allocates nothing.
 
     Raises:
-        ValueError: unsupported shapes, head counts or a buffer whose offsets pass 2**31.
+        ValueError: a buffer past the kernel's 32-bit offsets (2**31 elements: S above about
+            2**31 / :func:`tokens_per_tile` keys).
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
     B, T, H, d = q.shape
     S = k.shape[1]
-    if d != D:
-        raise ValueError(f"lightning_indexer: the sm90 kernel needs D = {D}, got {d}")
-    if buf.shape[1] < S or buf.shape[1] % 4 or buf.numel() > INT32_MAX or B * T > INT32_MAX:
-        raise ValueError(f"lightning_indexer: sm90 score buffer {tuple(buf.shape)} does not fit "
-                         f"S = {S} (ld >= S, a multiple of 4, < 2**31 elements)")
+    assert d == D and B * T <= INT32_MAX
+    assert S <= buf.shape[1] and buf.shape[1] % 4 == 0
+    if buf.numel() > INT32_MAX:
+        raise ValueError(f"lightning_indexer: the sm90 score buffer {tuple(buf.shape)} for S = "
+                         f"{S} keys passes the kernel's 2**31 - 1 elements")
     tile = head_tile_for(H)
     n_tiles = -(-n_tok // (TILE_N // tile)) * n_batch
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count

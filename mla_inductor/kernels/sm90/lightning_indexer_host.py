@@ -75,7 +75,8 @@ def lightning_indexer(q, k, weights, q_positions, topk, *, q_scale=None, k_scale
         keys in ascending index, then -1 (score 0).
 
     Raises:
-        ValueError: a head count outside 1..64 (:func:`tokens_per_tile`).
+        ValueError: a score buffer past the kernel's 32-bit offsets
+            (:func:`.lightning_every_key_host.scores`).
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
     from . import topk_host

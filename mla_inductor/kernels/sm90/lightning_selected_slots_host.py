@@ -1,5 +1,6 @@
 """Host side of the SM90 lightning-indexer scores at the selected slots (the kernels are
-:mod:`.lightning_selected_slots`): argument checks, the static compile keys, the kernel cache, the
+:mod:`.lightning_selected_slots`): its preconditions (asserted: the op checks the arguments and
+the backend's selection the kernels' limits), the static compile keys, the kernel cache, the
 launches on torch's current stream, the dk accumulator (float32 with interleaved columns, or
 int64 fixed point under deterministic algorithms) and its conversion to k's dtype. No host
 synchronisation anywhere, so every call can be captured in a CUDA graph once its kernel is
@@ -64,24 +65,16 @@ def precompile_scores(arch: str = "sm_90a", *, dtypes=(torch.bfloat16,),
     return compiled
 
 
-def check(q: torch.Tensor) -> None:
-    """The kernels' own limits on ``q [B, T, H, D]``, beyond the op's checks of all the inputs
-    (:func:`mla_inductor.ops.lightning_scores.check_inputs`): a CUDA tensor, bf16/fp16, D = 128,
-    1 to 64 index heads, at most 2**31 - 1 rows ``B T`` (one CTA each).
-
-    Raises:
-        ValueError: starting ``lightning_indexer_scores:``, naming the limit.
-    """
+def _assert_limits(q: torch.Tensor) -> None:
+    """Asserts the kernels' own limits on ``q [B, T, H, D]``, which the backend's selection
+    ensured (:func:`mla_inductor.kernels.sm90.supports`; the op checked the inputs,
+    :func:`mla_inductor.ops.lightning_scores.check_inputs`): a CUDA tensor, bf16/fp16, D = 128,
+    1 to 64 index heads, at most 2**31 - 1 rows ``B T`` (one CTA each; 2**31 rows of q alone
+    would take 512 GiB)."""
     B, T, H, d = q.shape
-    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"lightning_indexer_scores: the sm90 kernels take bf16/fp16 CUDA "
-                         f"tensors, got {q.dtype} on {q.device}")
-    if d != D or not 1 <= H <= MAX_HEADS:
-        raise ValueError(f"lightning_indexer_scores: the sm90 kernels support D = {D} and 1 to "
-                         f"{MAX_HEADS} index heads, got D = {d}, H = {H}")
-    if B * T > INT32_MAX:
-        raise ValueError(f"lightning_indexer_scores: the sm90 kernels support at most 2**31 - 1 "
-                         f"rows B * T, got {B * T}")
+    assert q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
+    assert d == D and 1 <= H <= MAX_HEADS
+    assert B * T <= INT32_MAX
 
 
 def _flat(q, k, weights, indices):
@@ -105,10 +98,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
         indices: ``[B, T, topk]`` int32, local to each batch element (< 0 or >= S: empty).
 
     Raises:
-        ValueError: :func:`check`.
         CompileDuringCaptureError: first use of the dtype inside CUDA-graph capture.
     """
-    check(q)
+    _assert_limits(q)
     B, T, _, _ = q.shape
     S, topk = k.shape[1], indices.shape[-1]
     if B * T == 0 or topk == 0 or S == 0:
@@ -129,10 +121,9 @@ def backward(dscores: torch.Tensor, q: torch.Tensor, k: torch.Tensor, weights: t
     and dweights are always deterministic (no atomics). Empty slots' ``dscores`` are ignored.
 
     Raises:
-        ValueError: :func:`check`.
         CompileDuringCaptureError: first use of the configuration inside CUDA-graph capture.
     """
-    check(q)
+    _assert_limits(q)
     B, T, H, _ = q.shape
     S, topk = k.shape[1], indices.shape[-1]
     if B * T == 0 or topk == 0 or S == 0:

@@ -1,7 +1,7 @@
-"""Host side of the SM90 row sort (the kernel is :mod:`.rowsort`): argument checks, the static
-compile key, the kernel cache and the launch on torch's current stream. It imports the CuTe DSL
-only to compile a kernel that the cache (memory, then disk) does not have (see
-:mod:`mla_inductor.kernels.cache`).
+"""Host side of the SM90 row sort (the kernel is :mod:`.rowsort`): its preconditions (asserted: its
+caller, :mod:`.bwd_host`, passes the op's checked indices), the static compile key, the kernel cache
+and the launch on torch's current stream. It imports the CuTe DSL only to compile a kernel that the
+cache (memory, then disk) does not have (see :mod:`mla_inductor.kernels.cache`).
 """
 
 from __future__ import annotations
@@ -67,21 +67,14 @@ def sorted_rows(indices: torch.Tensor, topk_length: torch.Tensor | None, S: int)
         S: the key count (a Python int >= 0).
 
     Raises:
-        ValueError: a shape, dtype, device or layout other than the above.
         CompileDuringCaptureError: first use of a configuration inside CUDA-graph capture.
     """
-    if indices.dim() != 2 or indices.dtype != torch.int32 or not indices.is_contiguous():
-        raise ValueError(f"sparse_mla: the sm90 row sort needs contiguous int32 indices [T, "
-                         f"topk], got {indices.dtype} {tuple(indices.shape)}")
+    assert indices.dim() == 2 and indices.dtype == torch.int32 and indices.is_contiguous()
     T, topk = indices.shape
-    if topk > MAX_SLOTS or not indices.is_cuda:
-        raise ValueError(f"sparse_mla: the sm90 row sort needs a CUDA tensor of at most "
-                         f"{MAX_SLOTS} slots a row, got {topk} on {indices.device}")
-    if topk_length is not None and (
-            topk_length.dtype != torch.int32 or tuple(topk_length.shape) != (T,)
-            or not topk_length.is_contiguous() or topk_length.device != indices.device):
-        raise ValueError(f"sparse_mla: the sm90 row sort needs a contiguous int32 topk_length "
-                         f"[{T}] on {indices.device}")
+    assert topk <= MAX_SLOTS and indices.is_cuda
+    assert topk_length is None or (
+        topk_length.dtype == torch.int32 and topk_length.shape == (T,)
+        and topk_length.is_contiguous() and topk_length.device == indices.device)
     out = torch.empty_like(indices)
     if T == 0 or topk == 0:
         return out

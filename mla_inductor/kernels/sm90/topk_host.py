@@ -1,7 +1,7 @@
-"""Host side of the SM90 top-k select (the kernel is :mod:`.topk`): argument checks, the static
-compile key, the kernel cache and the launch on torch's current stream. It imports the CuTe DSL
-only to compile a kernel that the cache (memory, then disk) does not have (see
-:mod:`mla_inductor.kernels.cache`).
+"""Host side of the SM90 top-k select (the kernel is :mod:`.topk`): its preconditions (asserted: its
+caller, :mod:`.lightning_indexer_host`, makes the buffers), the static compile key, the kernel cache
+and the launch on torch's current stream. It imports the CuTe DSL only to compile a kernel that the
+cache (memory, then disk) does not have (see :mod:`mla_inductor.kernels.cache`).
 """
 
 from __future__ import annotations
@@ -98,33 +98,18 @@ def select(buf: torch.Tensor, row_len: torch.Tensor, topk: int, out_indices: tor
             capture at another row length finds its kernel).
 
     Raises:
-        ValueError / TypeError: bad ranks, shapes, dtypes, devices or layouts.
         CompileDuringCaptureError: first use inside CUDA-graph capture.
     """
     assert isinstance(topk, int) and topk >= 0  # the op checked it
-    if buf.dim() != 2 or row_len.dim() != 1 or out_indices.dim() != 2 or out_scores.dim() != 2:
-        raise ValueError("lightning_indexer: sm90 top-k needs buf [R, ld], row_len [R], "
-                         "out_indices and out_scores [R, topk]")
+    assert buf.dim() == 2 and row_len.dim() == 1
     R, ld = buf.shape
-    if (row_len.shape[0] != R or tuple(out_indices.shape) != (R, topk)
-            or tuple(out_scores.shape) != (R, topk)):
-        raise ValueError(f"lightning_indexer: sm90 top-k shape mismatch: buf {tuple(buf.shape)}, "
-                         f"row_len {tuple(row_len.shape)}, out_indices "
-                         f"{tuple(out_indices.shape)}, out_scores {tuple(out_scores.shape)}, "
-                         f"topk {topk}")
-    if (buf.dtype != torch.float32 or row_len.dtype != torch.int32
-            or out_indices.dtype != torch.int32 or out_scores.dtype != torch.float32):
-        raise TypeError(f"lightning_indexer: sm90 top-k needs float32 buf and out_scores, int32 "
-                        f"row_len and out_indices, got {buf.dtype}, {row_len.dtype}, "
-                        f"{out_indices.dtype}, {out_scores.dtype}")
+    assert row_len.shape == (R,) and out_indices.shape == out_scores.shape == (R, topk)
+    assert buf.dtype == out_scores.dtype == torch.float32
+    assert row_len.dtype == out_indices.dtype == torch.int32
     tensors = (buf, row_len, out_indices, out_scores)
-    if not buf.is_cuda or any(t.device != buf.device for t in tensors):
-        raise ValueError("lightning_indexer: sm90 top-k needs all tensors on one CUDA device")
-    if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("lightning_indexer: sm90 top-k needs contiguous tensors")
-    if ld % 4 != 0 or buf.data_ptr() % 16 != 0:
-        raise ValueError(f"lightning_indexer: sm90 top-k needs buf 16-byte aligned with ld a "
-                         f"multiple of 4, got ld {ld}")
+    assert buf.is_cuda and all(t.device == buf.device for t in tensors)
+    assert all(t.is_contiguous() for t in tensors)
+    assert ld % 4 == 0 and buf.data_ptr() % 16 == 0
     if topk == 0 or R == 0:
         return
     if ld == 0:  # no keys: every slot is empty

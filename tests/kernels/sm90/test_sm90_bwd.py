@@ -232,12 +232,12 @@ def test_interleaved_accumulator_contract():
                        bwd_host.dkv_deinterleave(accum))
 
 
-def test_misaligned_accumulator_rejected():
+def test_misaligned_accumulator_asserted():
     q, kv, dout, indices, _ = _case(2, 16, 576, 512, 32, 16, seed=7)
     lse = torch.zeros(2, 16, device="cuda")
     buf = torch.zeros(32 * 576 + 1, device="cuda")
-    with pytest.raises(ValueError):
-        bwd_host.backward_into(dout, q, kv, indices, None, dout, lse, lse.new_empty(0), 0.1, 512,
+    with pytest.raises(AssertionError):
+        bwd_host.backward_into(dout, q, kv, indices, None, dout, lse, dout.new_empty(0), 0.1, 512,
                                buf[1:].view(32, 576))
 
 

@@ -180,10 +180,13 @@ def test_through_the_op_on_auto():
 
 
 def test_more_heads_than_the_kernel_takes():
+    """A forced sm90 refuses them by the op's name (auto runs the reference)."""
     q, kv, indices = _inputs(T=2, H=129, S=64, topk=64)
     lse = torch.zeros(2, 129, device="cuda")
-    with pytest.raises(ValueError, match="sparse_mla: the sm90 indexer target supports 1 to 128"):
-        sm90.indexer_target(q, kv, indices, None, None, None, lse, 0.1)
+    with mla_inductor.use_backend("sm90"), pytest.raises(
+            RuntimeError, match="^sparse_mla: mla_inductor backend 'sm90' cannot run here: sm90 "
+                                "indexer target supports at most 128 heads, got 129"):
+        mla_inductor.indexer_target(q, kv, indices, lse)
 
 
 def test_deepseek_size_against_fp64_on_sampled_tokens():

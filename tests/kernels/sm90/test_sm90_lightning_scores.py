@@ -33,7 +33,7 @@ import math
 import pytest
 import torch
 
-from mla_inductor import backends, lightning_indexer_scores
+from mla_inductor import backends, lightning_indexer_scores, use_backend
 from mla_inductor.kernels import sm90
 
 pytestmark = [
@@ -324,8 +324,10 @@ def test_edge_sizes():
     assert host.forward(q[:, :0], k, w[:, :0], idx[:, :0]).shape == (2, 0, 4)
     empty_k = k[:, :0]
     assert not host.forward(q, empty_k, w, idx).any()
-    with pytest.raises(ValueError, match="^lightning_indexer_scores: .*D = 128"):
-        host.forward(q[..., :64].contiguous(), k[..., :64].contiguous(), w, idx)
+    with use_backend("sm90"), pytest.raises(
+            RuntimeError, match="^lightning_indexer_scores: mla_inductor backend 'sm90' cannot "
+                                "run here: sm90 lightning_indexer_scores supports D = 128, got 64"):
+        lightning_indexer_scores(q[..., :64].contiguous(), k[..., :64].contiguous(), w, idx)
 
 
 def test_the_op_dispatches_to_sm90_and_passes_opcheck():

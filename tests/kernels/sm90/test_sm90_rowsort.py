@@ -84,12 +84,12 @@ def test_graph_replay():
     assert torch.equal(out, reference(idx, None, S))
 
 
-def test_launcher_checks():
+def test_launcher_asserts():
     idx = torch.zeros(4, 16, dtype=torch.int32, device="cuda")
-    with pytest.raises(ValueError, match="sparse_mla: .*int32"):
+    with pytest.raises(AssertionError):
         rowsort_host.sorted_rows(idx.long(), None, 10)
-    with pytest.raises(ValueError, match="sparse_mla: .*8192"):
+    with pytest.raises(AssertionError):
         rowsort_host.sorted_rows(torch.zeros(2, 8193, dtype=torch.int32, device="cuda"), None, 10)
-    with pytest.raises(ValueError, match="sparse_mla: .*topk_length"):
+    with pytest.raises(AssertionError):
         rowsort_host.sorted_rows(idx, torch.zeros(3, dtype=torch.int32, device="cuda"), 10)
     assert rowsort_host.sorted_rows(idx[:0], None, 10).shape == (0, 16)

@@ -275,7 +275,7 @@ def test_capture_at_another_row_length(monkeypatch):
 
 
 @cuda
-def test_launcher_checks():
+def test_launcher_asserts():
     from mla_inductor.kernels.sm90 import topk_host
 
     _sm90_or_skip()
@@ -283,18 +283,12 @@ def test_launcher_checks():
     n = torch.full((4,), 8, dtype=torch.int32, device="cuda")
     idx = torch.empty(4, 2, dtype=torch.int32, device="cuda")
     sc = torch.empty(4, 2, device="cuda")
-    with pytest.raises(ValueError, match="lightning_indexer: .*int topk"):
-        topk_host.select(buf, n, -1, idx, sc)
-    with pytest.raises(ValueError, match="lightning_indexer: .*shape mismatch"):
-        topk_host.select(buf, n, 3, idx, sc)
-    with pytest.raises(TypeError, match="lightning_indexer: .*float32"):
-        topk_host.select(buf.double(), n, 2, idx, sc)
-    with pytest.raises(ValueError, match="lightning_indexer: .*multiple of 4"):
-        topk_host.select(torch.zeros(4, 6, device="cuda"), n, 2, idx, sc)
-    with pytest.raises(ValueError, match="lightning_indexer: .*one CUDA device"):
-        topk_host.select(buf.cpu(), n.cpu(), 2, idx.cpu(), sc.cpu())
-    with pytest.raises(ValueError, match="lightning_indexer: .*contiguous"):
-        topk_host.select(torch.zeros(8, 4, device="cuda").t(), n, 2, idx, sc)
+    for args in ((buf, n, -1, idx, sc), (buf, n, 3, idx, sc), (buf.double(), n, 2, idx, sc),
+                 (torch.zeros(4, 6, device="cuda"), n, 2, idx, sc),
+                 (buf.cpu(), n.cpu(), 2, idx.cpu(), sc.cpu()),
+                 (torch.zeros(8, 4, device="cuda").t(), n, 2, idx, sc)):
+        with pytest.raises(AssertionError):
+            topk_host.select(*args)
 
 
 def guess_rows(kind, R, ld, seed=0):
