@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # The integrations' GPU tests (tests/integrations/test_sm90_*.py) check the indexer's selection
 # with functions of tests/kernels/sm90/test_sm90_lightning.py; pytest's default import mode puts
@@ -101,6 +102,93 @@ def assert_same_gradients(ours: dict, ref: dict, tol: float) -> None:
     assert {k for k, g in ours.items() if g is None} == {k for k, g in ref.items() if g is None}
     worst = max((rel_l2(ours[k], g), k) for k, g in ref.items() if g is not None)
     assert worst[0] <= tol, worst
+
+
+# The transformers integration's tests: one causal LM unswitched, switched and switched back
+# (mla_inductor.integrations.transformers, imported where used: transformers is optional).
+
+
+def switched_and_back(model, ids, layers: int):
+    """``(ref, out, back)``: the logits of ``model`` on ``ids`` (without grad, no cache)
+    unswitched, switched (``apply`` switches ``layers`` layers, a second ``apply`` none, and no
+    parameter is copied) and after ``remove`` (which switches the ``layers`` back)."""
+    from mla_inductor.integrations import transformers as hf
+
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits
+        params = [(k, p.data_ptr()) for k, p in model.named_parameters()]
+        assert hf.apply(model) == layers
+        assert hf.apply(model) == 0  # already switched
+        assert [(k, p.data_ptr()) for k, p in model.named_parameters()] == params  # no copies
+        out = model(ids, use_cache=False).logits
+        assert hf.remove(model) == layers
+        back = model(ids, use_cache=False).logits
+    return ref, out, back
+
+
+def switched_gradients(model, ids, layers: int) -> tuple[dict, dict]:
+    """``(ours, ref)``: :func:`lm_gradients` of ``model`` switched (``layers`` layers, switched
+    back after) and unswitched."""
+    from mla_inductor.integrations import transformers as hf
+
+    ref = lm_gradients(model, ids)
+    with hf.switched(model) as n:
+        assert n == layers
+        ours = lm_gradients(model, ids)
+    return ours, ref
+
+
+def assert_chunked_prefill_matches(model, ids, cache_config, bounds=((0, 21), (21, 24),
+                                                                     (24, 50))) -> None:
+    """``ids [1, T]`` as the prompt chunks ``bounds`` through a ``DynamicCache(config=
+    cache_config)``, switched (``apply``) and not: the logits agree within rel-L2 1e-5."""
+    from transformers import DynamicCache
+
+    from mla_inductor.integrations import transformers as hf
+
+    def chunks():
+        cache, outs = DynamicCache(config=cache_config), []
+        for t0, t1 in bounds:
+            outs.append(model(ids[:, t0:t1], cache=cache, use_cache=True).logits)
+        return torch.cat(outs, 1)
+
+    with torch.no_grad():
+        ref = chunks()
+        hf.apply(model)
+        out = chunks()
+    assert rel_l2(out, ref) <= 1e-5
+
+
+def tokens_by_at_least(T: int, least: int, widths=frozenset()):
+    """A ``keep`` for :class:`ReturnedShapes`: a shape with ``T`` in one size and at least
+    ``least`` in another (a ``[T, S]`` mask or score tensor), other than ``widths`` (the
+    projections' widths)."""
+
+    def keep(shape: tuple) -> bool:
+        if T not in shape:
+            return False
+        rest = list(shape)
+        rest.remove(T)
+        return any(n >= least and n not in widths for n in rest)
+
+    return keep
+
+
+class ReturnedShapes(TorchDispatchMode):
+    """Records ``(op, shape)`` of every tensor an op returns whose shape ``keep(shape)`` (a
+    tuple) accepts, in ``found`` (a set). An op of the package is one call: what it makes inside
+    is not seen."""
+
+    def __init__(self, keep):
+        super().__init__()
+        self.keep, self.found = keep, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and self.keep(tuple(t.shape)):
+                self.found.add((str(func), tuple(t.shape)))
+        return out
 
 
 @pytest.fixture

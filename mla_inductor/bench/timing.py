@@ -25,25 +25,18 @@ import torch
 
 def time_ms(fn, grad_to_none=None) -> float:
     """Median milliseconds of ``fn()`` by ``triton.testing.do_bench`` (CUDA events; ``.grad`` of
-    the tensors in ``grad_to_none`` reset before each call), or by 20 CUDA-event timings when
-    triton is not installed."""
+    the tensors in ``grad_to_none`` reset before each call), or, when triton is not installed,
+    of 20 CUDA-event timings after one untimed call (:func:`time_ms_calls`)."""
     try:
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median")
     except ImportError:
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(20):
+        def reset():
             for t in grad_to_none or ():
                 t.grad = None
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+
+        return time_ms_calls(fn, 1, 20, torch.device("cuda"), before=reset)
 
 
 def time_ms_interleaved(fns: dict, rounds: int = 7) -> dict:

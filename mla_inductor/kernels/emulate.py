@@ -116,14 +116,10 @@ def forward(
         )
     T, H, d_qk = q.shape
     S = kv.shape[0]
-    out = q.new_zeros((T, H, d_v))
-    lse = q.new_full((T, H), -math.inf, dtype=torch.float32)
-    o_lo = q.new_zeros((T, H, d_v) if return_o_lo else (0,))
-    max_logits = q.new_full((T, H) if return_max_logits else (0,), -math.inf, dtype=torch.float32)
+    out, lse, o_lo, max_logits = reference.outputs_without_slots(q, attn_sink, d_v, return_o_lo,
+                                                                 return_max_logits)
     sink2 = None if attn_sink is None else attn_sink.float() * _LOG2E  # [H], log2 units
     if S == 0 or T == 0 or indices.shape[1] == 0:
-        if attn_sink is not None:
-            lse.copy_(attn_sink.float().expand(T, H))
         return out, lse, o_lo, max_logits
     safe, valid = _valid_padded(indices, topk_length, q_positions, S, block_n)
     n_blocks = safe.shape[1] // block_n

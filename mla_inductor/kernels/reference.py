@@ -116,6 +116,20 @@ def _softmax(s: torch.Tensor, sink: Optional[torch.Tensor] = None):
     return e / safe, (m + torch.log(total)).squeeze(-1), p_sink
 
 
+def outputs_without_slots(q, attn_sink, d_v, return_o_lo, return_max_logits):
+    """The forward's outputs ``(out, lse, o_lo, max_logits)`` (the backend protocol's shapes and
+    dtypes for ``q [T, H, d_qk]``) of rows without a valid slot: out and o_lo 0, lse its head's
+    sink (``attn_sink [H]`` or None: -inf), max_logits -inf."""
+    T, H = q.shape[0], q.shape[1]
+    out = q.new_zeros((T, H, d_v))
+    lse = q.new_full((T, H), -math.inf, dtype=torch.float32)
+    if attn_sink is not None:
+        lse.copy_(attn_sink.float().expand(T, H))
+    o_lo = q.new_zeros((T, H, d_v) if return_o_lo else (0,))
+    max_logits = q.new_full((T, H) if return_max_logits else (0,), -math.inf, dtype=torch.float32)
+    return out, lse, o_lo, max_logits
+
+
 def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, rescale_threshold,
             return_o_lo, return_max_logits):
     """Reference forward; see the backend protocol, :class:`mla_inductor.backends.Backend`.
@@ -125,13 +139,9 @@ def forward(q, kv, indices, topk_length, q_positions, attn_sink, sm_scale, d_v, 
     """
     T, H, d_qk = q.shape
     S = kv.shape[0]
-    out = q.new_zeros((T, H, d_v))
-    lse = q.new_full((T, H), -math.inf, dtype=torch.float32)
-    o_lo = q.new_zeros((T, H, d_v) if return_o_lo else (0,))
-    max_logits = q.new_full((T, H) if return_max_logits else (0,), -math.inf, dtype=torch.float32)
+    out, lse, o_lo, max_logits = outputs_without_slots(q, attn_sink, d_v, return_o_lo,
+                                                       return_max_logits)
     if S == 0 or indices.shape[1] == 0:
-        if attn_sink is not None:
-            lse.copy_(attn_sink.float().expand(T, H))
         return out, lse, o_lo, max_logits
     for t0, t1 in _chunks(T, indices.shape[1], d_qk, H):
         valid = valid_slots(indices[t0:t1], _chunk(topk_length, t0, t1), S,

@@ -10,7 +10,6 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mla_inductor.integrations import transformers as hf
 from mla_inductor.integrations.transformers.visibility import Visibility
@@ -23,7 +22,8 @@ from transformers import (
     GlmMoeDsaForCausalLM,
 )
 
-from conftest import assert_compiled_matches_eager, assert_same_gradients, lm_gradients, rel_l2
+from conftest import (ReturnedShapes, assert_compiled_matches_eager, assert_same_gradients, rel_l2,
+                      switched_and_back, switched_gradients)
 
 VOCAB = 128
 # 2 layers, H 4, topk 16 over T 64-128; layer 1 is a mixture of experts. 8 index heads: with 2, a
@@ -67,15 +67,7 @@ def _ids(B: int, T: int, seed: int = 1) -> torch.Tensor:
 def test_logits_match_eager_and_remove_restores_bitwise(name):
     model = _model(name)
     ids = _ids(2, 128 if name == "deepseek_v32_yarn" else 64)
-    with torch.no_grad():
-        ref = model(ids, use_cache=False).logits
-        params = [(k, p.data_ptr()) for k, p in model.named_parameters()]
-        assert hf.apply(model) == 2
-        assert hf.apply(model) == 0  # already switched
-        assert [(k, p.data_ptr()) for k, p in model.named_parameters()] == params  # no copies
-        out = model(ids, use_cache=False).logits
-        assert hf.remove(model) == 2
-        back = model(ids, use_cache=False).logits
+    ref, out, back = switched_and_back(model, ids, 2)
     assert rel_l2(out, ref) <= 1e-5
     assert torch.equal(back, ref)
 
@@ -84,10 +76,7 @@ def test_logits_match_eager_and_remove_restores_bitwise(name):
 def test_gradients_match_eager(name):
     model = _model(name).train()
     ids = _ids(2, 64)
-    ref = lm_gradients(model, ids)
-    with hf.switched(model) as n:
-        assert n == 2
-        ours = lm_gradients(model, ids)
+    ours, ref = switched_gradients(model, ids, 2)
     assert any("kv_b_proj" in k for k, g in ours.items() if g is not None)
     assert_same_gradients(ours, ref, 1e-4)
 
@@ -148,23 +137,6 @@ def test_padding_with_holes_and_packed_sequences_match_eager(name):
     assert rel_l2(ref_packed[:, 30:], model(ids, use_cache=False).logits[:, 30:]) > 1e-2
 
 
-class _LargestSquare(TorchDispatchMode):
-    """Records every tensor shape an op returns with two sizes equal to ``T`` (a ``[.., T, S]``
-    tensor when T = S). The op itself is one call here: what it makes inside (its bounded
-    chunks) is not seen."""
-
-    def __init__(self, T):
-        super().__init__()
-        self.T, self.found = T, set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and list(t.shape).count(self.T) >= 2:
-                self.found.add((str(func), tuple(t.shape)))
-        return out
-
-
 @pytest.mark.parametrize("padded", [False, True], ids=["no_mask", "padding_mask"])
 @pytest.mark.parametrize("name", ["deepseek_v32", "glm_moe_dsa"])
 def test_the_switched_model_holds_no_tokens_by_keys_tensor(name, padded):
@@ -175,12 +147,16 @@ def test_the_switched_model_holds_no_tokens_by_keys_tensor(name, padded):
     model = _model(name)
     ids = _ids(2, 80)
     kwargs = dict(attention_mask=torch.ones_like(ids)) if padded else {}
-    with torch.no_grad(), _LargestSquare(80) as theirs:
+
+    def square(shape):  # two sizes of T: a [.., T, S] tensor, T = S
+        return shape.count(80) >= 2
+
+    with torch.no_grad(), ReturnedShapes(square) as theirs:
         model(ids, use_cache=False, **kwargs)
     assert any(shape[-2:] == (80, 80) for _, shape in theirs.found)
     hf.apply(model)
     assert model.config._attn_implementation == hf.ATTN_IMPLEMENTATION
-    with torch.no_grad(), _LargestSquare(80) as ours:
+    with torch.no_grad(), ReturnedShapes(square) as ours:
         model(ids, use_cache=False, **kwargs)
     assert ours.found == set()
     hf.remove(model)

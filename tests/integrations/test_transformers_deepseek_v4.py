@@ -9,14 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mla_inductor.integrations import transformers as hf
 from mla_inductor.integrations.transformers import deepseek_v4
 from mla_inductor.integrations.transformers.visibility import Visibility
-from transformers import DeepseekV4Config, DeepseekV4ForCausalLM, DynamicCache
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from conftest import assert_compiled_matches_eager, assert_same_gradients, lm_gradients, rel_l2
+from conftest import (ReturnedShapes, assert_chunked_prefill_matches,
+                      assert_compiled_matches_eager, assert_same_gradients, rel_l2,
+                      switched_and_back, switched_gradients, tokens_by_at_least)
 
 VOCAB = 128
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -59,15 +60,7 @@ def test_logits_match_eager_and_remove_restores_bitwise():
     partial last window of each."""
     model = _model()
     ids = _ids(2, 70)
-    with torch.no_grad():
-        ref = model(ids, use_cache=False).logits
-        params = [(k, p.data_ptr()) for k, p in model.named_parameters()]
-        assert hf.apply(model) == 3
-        assert hf.apply(model) == 0  # already switched
-        assert [(k, p.data_ptr()) for k, p in model.named_parameters()] == params  # no copies
-        out = model(ids, use_cache=False).logits
-        assert hf.remove(model) == 3
-        back = model(ids, use_cache=False).logits
+    ref, out, back = switched_and_back(model, ids, 3)
     assert rel_l2(out, ref) <= 1e-5
     assert torch.equal(back, ref)
 
@@ -77,10 +70,7 @@ def test_gradients_match_eager():
     loss does not reach, as unswitched: None) included."""
     model = _model().train()
     ids = _ids(2, 70)
-    ref = lm_gradients(model, ids)
-    with hf.switched(model) as n:
-        assert n == 3
-        ours = lm_gradients(model, ids)
+    ours, ref = switched_gradients(model, ids, 3)
     assert_same_gradients(ours, ref, 1e-4)
     for part in ("compressor.kv_proj", "compressor.gate_proj", "compressor.position_bias",
                  "sinks"):
@@ -130,26 +120,6 @@ def test_packed_sequences_and_holes_match_eager():
     assert rel_l2(out[keep], ref[keep]) <= 1e-5
 
 
-class _LargestArea(TorchDispatchMode):
-    """Records every tensor an op returns with ``T`` in one size and at least ``least`` in another
-    (a ``[T, S]`` or ``[T, S + C]`` mask or score tensor, or ``[T, C]`` indexer scores), other
-    than the projections' widths ``widths``."""
-
-    def __init__(self, T: int, least: int, widths: set):
-        super().__init__()
-        self.T, self.least, self.widths, self.found = T, least, widths, set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and self.T in t.shape:
-                rest = list(t.shape)
-                rest.remove(self.T)
-                if any(n >= self.least and n not in self.widths for n in rest):
-                    self.found.add((str(func), tuple(t.shape)))
-        return out
-
-
 def test_no_tensor_of_tokens_by_keys():
     """T = 600, C = 150 CSA entries (every other size of the model is at most 128, but the query
     projections' widths, 4 heads x 64 and 32 index heads x 32): the unswitched
@@ -160,13 +130,13 @@ def test_no_tensor_of_tokens_by_keys():
     model = _model()
     T = 600
     ids = _ids(1, T)
-    widths = {4 * 64, 32 * 32}
-    with torch.no_grad(), _LargestArea(T, T // 4, widths) as theirs:
+    keep = tokens_by_at_least(T, T // 4, {4 * 64, 32 * 32})
+    with torch.no_grad(), ReturnedShapes(keep) as theirs:
         model(ids, use_cache=False)
     shapes = {shape for _, shape in theirs.found}
     assert {(1, 1, T, T), (1, 1, T, T // 4), (1, T, T // 4)} <= shapes, shapes
     hf.apply(model)
-    with torch.no_grad(), _LargestArea(T, T // 4, widths) as ours:
+    with torch.no_grad(), ReturnedShapes(keep) as ours:
         model(ids, use_cache=False)
     assert ours.found == set()
 
@@ -200,19 +170,7 @@ def test_chunked_prefill_with_cache_matches_one_prefill():
     compressors' buffers and overlap state carry over between the chunks), against the
     unswitched model on the same chunks."""
     model = _model()
-    ids = _ids(1, 50)
-
-    def chunks():
-        cache, outs = DynamicCache(config=model.config), []
-        for t0, t1 in ((0, 21), (21, 24), (24, 50)):
-            outs.append(model(ids[:, t0:t1], cache=cache, use_cache=True).logits)
-        return torch.cat(outs, 1)
-
-    with torch.no_grad():
-        ref = chunks()
-        hf.apply(model)
-        out = chunks()
-    assert rel_l2(out, ref) <= 1e-5
+    assert_chunked_prefill_matches(model, _ids(1, 50), model.config)
 
 
 @pytest.mark.parametrize("layer", [0, 1, 2], ids=LAYER_TYPES)

@@ -18,10 +18,11 @@ from torch import nn
 
 from mla_inductor.integrations import transformers as hf
 from mla_inductor.integrations.transformers import glm5_next
-from transformers import DynamicCache, Glm5NextConfig, Glm5NextForConditionalGeneration
+from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
-from conftest import assert_compiled_matches_eager, assert_same_gradients, lm_gradients, rel_l2
-from test_transformers_deepseek_v4 import _LargestArea
+from conftest import (ReturnedShapes, assert_chunked_prefill_matches,
+                      assert_compiled_matches_eager, assert_same_gradients, rel_l2,
+                      switched_and_back, switched_gradients, tokens_by_at_least)
 
 VOCAB = 128
 LAYER_TYPES = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention",
@@ -84,16 +85,10 @@ def test_logits_match_eager_and_remove_restores_bitwise(kpool, monkeypatch):
     model = _model(kpool)
     ids = _ids(2, T)
     calls = _calls(monkeypatch)
-    with torch.no_grad():
-        ref = model(ids, use_cache=False).logits
-        params = [(k, p.data_ptr()) for k, p in model.named_parameters()]
-        assert hf.apply(model) == 3
-        assert hf.apply(model) == 0  # already switched
-        assert [(k, p.data_ptr()) for k, p in model.named_parameters()] == params  # no copies
+    ref, out, back = switched_and_back(model, ids, 3)
+    with hf.switched(model):
         assert model.config.text_config._attn_implementation == "eager"
-        out = model(ids, use_cache=False).logits
-        assert hf.remove(model) == 3
-        back = model(ids, use_cache=False).logits
+    with torch.no_grad():
         for layer in model.model.language_model.layers:
             if getattr(layer.self_attn, "indexer", None) is not None:
                 layer.self_attn.indexer.index_topk = 256
@@ -117,10 +112,7 @@ def test_gradients_match_eager(kpool):
     as unswitched; the pools' gates and position biases among them)."""
     model = _model(kpool).train()
     ids = _ids(2, T)
-    ref = lm_gradients(model, ids)
-    with hf.switched(model) as n:
-        assert n == 3
-        ours = lm_gradients(model, ids)
+    ours, ref = switched_gradients(model, ids, 3)
     assert_same_gradients(ours, ref, 1e-4)
     assert sum("kv_b_proj" in k for k, g in ours.items() if g is not None) == 3
     assert all(ours[k] is None for k in ours if ".indexer." in k)
@@ -173,19 +165,7 @@ def test_chunked_prefill_with_cache_matches_one_prefill():
     pools are formed from the cached indexer state), against the unswitched model on the same
     chunks."""
     model = _model()
-    ids = _ids(1, 50)
-
-    def chunks():
-        cache, outs = DynamicCache(config=model.config.text_config), []
-        for t0, t1 in ((0, 21), (21, 24), (24, 50)):
-            outs.append(model(ids[:, t0:t1], cache=cache, use_cache=True).logits)
-        return torch.cat(outs, 1)
-
-    with torch.no_grad():
-        ref = chunks()
-        hf.apply(model)
-        out = chunks()
-    assert rel_l2(out, ref) <= 1e-5
+    assert_chunked_prefill_matches(model, _ids(1, 50), model.config.text_config)
 
 
 def test_no_tensor_of_tokens_by_pools():
@@ -196,13 +176,13 @@ def test_no_tensor_of_tokens_by_pools():
     model = _model()
     n = 600
     ids = _ids(1, n)
-    widths = {32 * 16}
-    with torch.no_grad(), _LargestArea(n, n // 4, widths) as theirs:
+    keep = tokens_by_at_least(n, n // 4, {32 * 16})
+    with torch.no_grad(), ReturnedShapes(keep) as theirs:
         model(ids, use_cache=False)
     shapes = {shape for _, shape in theirs.found}
     assert {(1, n, n), (1, n, 32, n // 4), (1, n, n // 4)} <= shapes, shapes
     hf.apply(model)
-    with torch.no_grad(), _LargestArea(n, n // 4, widths) as ours:
+    with torch.no_grad(), ReturnedShapes(keep) as ours:
         model(ids, use_cache=False)
     assert ours.found == set()
 
