@@ -158,8 +158,9 @@ def sparse_mla(
 
 
 def _sm_scale(q: Tensor, sm_scale) -> float:
-    """sm_scale as a Python float (``d_qk ** -0.5`` for None); refuses a tensor, a non-number
-    and a NaN or infinite value (which would turn every score into NaN or +-inf)."""
+    """sm_scale as a Python float (``d_qk ** -0.5`` for None); refuses a tensor and a non-number.
+    NaN and inf are refused by the op (:func:`mla_inductor.validation.check_sm_scale`), where the
+    value is known under ``torch.compile`` too."""
     if sm_scale is None:
         return (q.shape[-1] if q.dim() else 1) ** -0.5
     return _number("sm_scale", sm_scale)
@@ -221,9 +222,9 @@ def indexer_target(
         RuntimeError (every message starts ``sparse_mla:``): the layout, shape, dtype and device
             checks of :func:`sparse_mla`, q without a head (``H = 0``), an lse that is not
             float32 ``[T, H]`` (``[B, T, H]``), sm_scale not a Python number; also at trace time
-            under ``torch.compile``. On a CUDA
-            device the target runs on the PyTorch reference (with a warning) until a kernel
-            backend has it.
+            under ``torch.compile``. On a CUDA device without a kernel for it (not Hopper, or
+            beyond the sm90 kernel's limits) the target runs on the PyTorch reference, with a
+            warning.
     """
     for name, t in (("q", q), ("kv", kv), ("indices", indices), ("lse", lse)):
         _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -16,7 +16,7 @@ What inductor does with our ops (torch 2.9 to 2.14):
   ``...sparse_mla_bwd.default(...)`` directly (an ``ExternKernel`` fallback), so our kernels run
   unchanged inside compiled graphs and CUDA graphs.
 
-This module adds one thing on top, only on torch versions where it was tested: it registers those
+This module adds one thing on top, on the torch versions of :data:`TESTED_TORCH`: it registers those
 fallbacks explicitly (``make_fallback`` with ``require_contiguous``), so compiled graphs keep
 working when a user sets ``torch._inductor.config.implicit_fallbacks = False``; and, for the
 transformers integration's ``head_matmul``, whose strided operands are its design, the fallback
@@ -28,7 +28,8 @@ gate's decision is logged once per process on the ``mla_inductor`` log (INFO;
 ``TORCH_LOGS="mla_inductor"``): the torch version, the tested range and whether the lowerings were
 registered.
 
-Tested: torch 2.13.0 and 2.14.1 (CPU; 2.14.1 a CUDA build run on the CPU) and 2.11.0 (CUDA, H200).
+Run on torch 2.13.0 and 2.14.1 (CPU; 2.14.1 a CUDA build run on the CPU) and 2.11.0 (CUDA, H100
+and H200); :data:`TESTED_TORCH` is the range of releases written for (2.9 to 2.14).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 from .logs import log
 from .ops import registry
 
-TESTED_TORCH = ((2, 9), (2, 14))  # inclusive range of (major, minor)
+TESTED_TORCH = ((2, 9), (2, 14))  # inclusive range of (major, minor) the registration is made on
 _installed = False
 _gate_logged = False
 

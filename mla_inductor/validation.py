@@ -18,7 +18,7 @@ import torch.autograd.forward_ad as fwAD
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
-from .thresholds import MAX_RESCALE_THRESHOLD
+from .thresholds import EXACT_THRESHOLD, LAZY_THRESHOLD, MAX_RESCALE_THRESHOLD
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The lightning indexer also takes q and k in fp8 (e4m3, with per-row scales: the indexer of
@@ -256,8 +256,8 @@ def check_rescale_threshold(rescale_threshold: float, dtype: torch.dtype) -> Non
     _check(
         math.isfinite(rescale_threshold) and 0.0 <= rescale_threshold < bound,
         f"rescale_threshold must be finite, >= 0 and < {bound:g} for {dtype} (log2 units: the "
-        f"lazy rescale lets p reach 2**rescale_threshold; 0.0 is the exact running max, 8.0 "
-        f"the inference default), got {rescale_threshold}",
+        f"lazy rescale lets p reach 2**rescale_threshold; {EXACT_THRESHOLD} is the exact running "
+        f"max, {LAZY_THRESHOLD} the inference default), got {rescale_threshold}",
     )
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from . import (bwd, dist, fwd, hf, hf_glm5_next, hf_v4, indexer, lightning, lightning_scores,
+from . import (bwd, dist, fwd, hf, hf_glm5_next, hf_v4, indexer_target, lightning, lightning_scores,
                start, train)
 
-SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer": indexer,
+SUBCOMMANDS = {"fwd": fwd, "bwd": bwd, "train": train, "indexer-target": indexer_target,
                "lightning": lightning, "lightning-scores": lightning_scores, "hf": hf, "hf-v4": hf_v4,
                "hf-glm5-next": hf_glm5_next, "dist": dist, "start": start}
 

@@ -243,7 +243,8 @@ def indexer_tflops(q, k, weights, topk: int, q_positions) -> tuple[float, float,
     """``(ms, TFLOPS, {kernel: ms})`` of :func:`mla_inductor.lightning_indexer` ``(q [1, T, H, D],
     k [1, S, D], weights, topk, causal, q_positions [1, T])`` alone on CUDA (median of
     ``triton.testing.do_bench``), the FLOPs ``2·H·D`` per visible (token, key) pair, and the
-    call's kernel times (:func:`kernel_ms`: the scores' kernel apart from the select's)."""
+    call's kernel times on CUDA (:func:`kernel_ms`: the scores' kernel apart from the select's;
+    ``{}`` on the CPU)."""
     from mla_inductor import lightning_indexer
 
     H, D, S = q.shape[-2], q.shape[-1], k.shape[-2]
@@ -253,11 +254,12 @@ def indexer_tflops(q, k, weights, topk: int, q_positions) -> tuple[float, float,
         return lightning_indexer(q, k, weights, topk, causal=True, q_positions=q_positions)
 
     ms = time_ms(call)
-    return ms, 2 * H * D * pairs / ms / 1e9, kernel_ms(call)
+    return ms, 2 * H * D * pairs / ms / 1e9, kernel_ms(call) if q.is_cuda else {}
 
 
 def _kernels_line(kernels: dict) -> str:
-    return ", ".join(f"{name} {ms:.2f} ms" for name, ms in list(kernels.items())[:3])
+    """The three longest kernels of :func:`kernel_ms`'s dict, ``"name ms, ..."``."""
+    return ", ".join(f"{name} {ms:.2f} ms" for name, ms in list(kernels.items())[:3]) or "-"
 
 
 def anchors(step, T: int) -> dict:

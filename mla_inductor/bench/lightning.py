@@ -31,9 +31,8 @@ import datetime
 
 import torch
 
-from .indexer import peak_bytes
 from .problems import require_sm90, run_threads
-from .timing import time_ms_calls, time_ms_interleaved
+from .timing import peak_bytes, time_ms_calls, time_ms_interleaved
 
 AGREEMENT_ROWS = 256  # rows of the selection compared with cuDNN's (the last ones)
 

@@ -205,3 +205,16 @@ def add_protocol_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--protocol", choices=list(PROTOCOLS), default="sustained",
                         help="sustained: interleaved do_bench medians (time_ms_interleaved); "
                              "cooled: FlashMLA's protocol (time_ms_cooled); default: sustained")
+
+
+def peak_bytes(fn) -> int:
+    """Bytes ``fn()`` allocates on the current CUDA device at its peak, on top of what was
+    allocated before it (its result included while it is alive)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del result
+    return peak

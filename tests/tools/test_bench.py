@@ -17,7 +17,7 @@ from conftest import rel_l2
 from mla_inductor.bench import cli, dist, dist_train, hf, timing
 
 
-@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["indexer"], ["lightning"],
+@pytest.mark.parametrize("argv", [[], ["fwd"], ["bwd"], ["train"], ["indexer-target"], ["lightning"],
                                   ["lightning-scores"], ["hf"], ["dist"], ["start"]])
 def test_help_at_every_level(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -31,17 +31,17 @@ def test_help_at_every_level(argv, capsys):
         assert all(name in text for name in cli.SUBCOMMANDS)
 
 
-def test_indexer_parser_defaults_and_flags():
-    """``indexer`` defaults to DeepSeek-V3.2's shapes (T 4096 16384, H 128 64, topk 2048, S = T,
+def test_indexer_target_parser_defaults_and_flags():
+    """``indexer-target`` defaults to DeepSeek-V3.2's shapes (T 4096 16384, H 128 64, topk 2048, S = T,
     random indices) and takes the shared shape flags and the protocol."""
-    from mla_inductor.bench import indexer
+    from mla_inductor.bench import indexer_target
 
-    args = cli.build_parser().parse_args(["indexer"])
+    args = cli.build_parser().parse_args(["indexer-target"])
     assert (args.T, args.H, args.topk, args.S, args.indices, args.protocol) == (
         [4096, 16384], [128, 64], 2048, "T", ["random"], "sustained")
-    assert args.run is indexer.run
+    assert args.run is indexer_target.run
     args = cli.build_parser().parse_args(
-        ["indexer", "--T", "128", "--H", "16", "--topk", "64", "--S", "2T", "--indices",
+        ["indexer-target", "--T", "128", "--H", "16", "--topk", "64", "--S", "2T", "--indices",
          "random", "causal", "--protocol", "cooled"])
     assert (args.T, args.H, args.topk, args.S, args.indices, args.protocol) == (
         [128], [16], 64, "2T", ["random", "causal"], "cooled")
@@ -54,7 +54,7 @@ def test_module_runs_as_a_command_and_rejects_unknown_subcommands():
     run = [sys.executable, "-m", "mla_inductor.bench"]
     shown = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0
-    assert ("{fwd,bwd,train,indexer,lightning,lightning-scores,hf,hf-v4,hf-glm5-next,dist,start}"
+    assert ("{fwd,bwd,train,indexer-target,lightning,lightning-scores,hf,hf-v4,hf-glm5-next,dist,start}"
             in shown.stdout)
     wrong = subprocess.run([*run, "fw"], capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "invalid choice: 'fw'" in wrong.stderr

@@ -59,7 +59,7 @@ Design (decisions, in the order they were taken)
   (dtype, d_qk, tile_heads, has topk_length, has positions). Launched on torch's current stream
   through TVM-FFI.
 
-Measured (H200, 2026-12-01, ``python -m mla_inductor.bench indexer``: bf16, d_qk 576, topk 2048,
+Measured (H200, 2026-12-01, ``python -m mla_inductor.bench indexer-target``: bf16, d_qk 576, topk 2048,
 S = T, random indices, interleaved with our exact forward in the same run; ms of the target /
 of the forward):
 

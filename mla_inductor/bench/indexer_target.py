@@ -1,4 +1,4 @@
-"""indexer: the SM90 indexer-target kernel against our exact forward at the same shape.
+"""indexer-target: the SM90 indexer-target kernel against our exact forward at the same shape.
 
 For every T x H x index pattern (S = T by default, ``--S 2T`` for twice as many keys; the
 patterns of :mod:`mla_inductor.bench.fwd`), times ``indexer_target`` (with the exact forward's
@@ -18,20 +18,7 @@ import datetime
 import torch
 
 from .problems import D_QK, D_V, KV_LENGTHS, add_shape_arguments, make_indices, require_sm90
-from .timing import PROTOCOLS, add_protocol_argument
-
-
-def peak_bytes(fn) -> int:
-    """Bytes ``fn()`` allocates on the current CUDA device at its peak, on top of what was
-    allocated before it (its result included while it is alive)."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    result = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del result
-    return peak
+from .timing import PROTOCOLS, add_protocol_argument, peak_bytes
 
 
 def bench_indexer(Ts, Hs, topk, patterns=("random",), protocol="sustained", kv_per_token=1):
