@@ -1,7 +1,7 @@
 """Numerics of sparse MLA, the package's tool: the order table and the peakedness ladder, the
 input builders of their experiments, and the command ``python -m mla_inductor.numerics``.
 
-The questions this module answers (docs/numerics.md): does a forward leave a
+The questions this module answers (docs/design.md): does a forward leave a
 *coherent* gain error on peaked rows (the lazy running max does when the dominant key is processed
 last; the exact running max does not), and does the forward's ``o_lo`` residual make the
 backward's ``dpsum`` precise?

@@ -1,6 +1,6 @@
 """The rescale-threshold policy: exact running max for training, lazy rescale for inference.
 
-Rule (docs/numerics.md; FlashAttention-4 ``interface.py`` makes the same choice at call time):
+Rule (docs/design.md; FlashAttention-4 ``interface.py`` makes the same choice at call time):
 ``rescale_threshold = 0.0`` (exact running max) when a backward will consume the forward, ``8.0``
 (lazy rescale, log2 units) otherwise. With a stale max the dominant key's probability is
 ``exp2(delta)`` rounded to bf16: a coherent ~2^-9 gain error on the whole output row, which a

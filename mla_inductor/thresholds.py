@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 # The exact running max (the training default): p never exceeds 1, and the forward leaves no
-# coherent gain error for a backward to inherit (docs/numerics.md).
+# coherent gain error for a backward to inherit (docs/notes/exact-max-for-training.md).
 EXACT_THRESHOLD = 0.0
 # The lazy rescale (the inference default): the running max may stay stale while the row's
 # scores pass it by up to 8, so p can reach 2**8.

@@ -6,7 +6,7 @@ The backend tests run one parametrised matrix: ``emulate`` (the GPU kernels' onl
 arithmetic, on CPU) always, and every kernel backend whose ``available()`` holds on a CUDA
 machine. They drive the public op, so the threshold policy is the one users get (training mode
 -> exact running max). The figures at larger sizes come
-from ``python -m mla_inductor.numerics`` (docs/numerics.md).
+from ``python -m mla_inductor.numerics`` (docs/notes/exact-max-for-training.md).
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ Design (decisions, in the order they were taken)
   ``exp2(m_old - m_new)``); > 0 = lazy (keep the stale max unless the block max exceeds it by
   more than the threshold, so p <= 2**threshold, which the kernel checks fits bf16/fp16).
   p is fp32; the row sum accumulates the fp32 p; p is rounded to the input dtype for P V.
-  Source: FlashAttention-4 ``softmax.py``; the numerics: docs/numerics.md.
+  Source: FlashAttention-4 ``softmax.py``; the numerics: docs/design.md.
 * Epilogue: ``out = O / row_sum`` rounded to the input dtype, ``o_lo = O / row_sum - out``
   rounded to it too (a residual of about 2**-9 of out, kept to about 2**-9 of itself: out + o_lo
   carries O to about 2**-17, and it costs half the bytes of an fp32 o_lo), ``lse = (m +
