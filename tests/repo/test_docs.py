@@ -9,6 +9,8 @@ the line before a block's opening fence changes how it is run (docs/testing.md):
   ``torchrun --standalone --nproc-per-node 2 <script>`` (gloo on the CPU).
 - ``<!-- docs-test: needs transformers -->``: skipped when transformers is not installed.
 
+The scripts of ``examples/`` run the same way, their marker a first line ``# docs-test: <marker>``.
+
 Blocks fenced as anything but ``python`` (``bash``, ``text``) are not run.
 """
 
@@ -65,7 +67,20 @@ def python_blocks(path: Path) -> list[tuple[int, str, str]]:
     return found
 
 
-BLOCKS = [(p, line, marker, src) for p in DOCS for line, marker, src in python_blocks(p)]
+EXAMPLE_MARKER = re.compile(r"^#\s*docs-test:\s*(.*?)\s*$")
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+def example_block(path: Path) -> tuple[int, str, str]:
+    """``(1, marker or "", source)`` of a script of ``examples/``: its marker is a first line
+    ``# docs-test: <marker>``, as the line before a docs block's fence."""
+    src = path.read_text()
+    m = EXAMPLE_MARKER.match(src.splitlines()[0]) if src else None
+    return 1, m.group(1) if m else "", src
+
+
+BLOCKS = ([(p, line, marker, src) for p in DOCS for line, marker, src in python_blocks(p)]
+          + [(p, *example_block(p)) for p in EXAMPLES])
 
 
 def test_markers_are_known():
@@ -73,6 +88,13 @@ def test_markers_are_known():
         for n, text in enumerate(path.read_text().splitlines(), 1):
             for m in MARKER.finditer(text):
                 assert m.group(1) in KNOWN, f"{path.name}:{n}: unknown marker {m.group(1)!r}"
+    for path in EXAMPLES:
+        assert example_block(path)[1] in ("", *KNOWN), f"{path.name}: unknown marker"
+
+
+def test_every_example_is_linked_from_the_docs():
+    linked = "".join(p.read_text() for p in DOCS)
+    assert EXAMPLES and all(f"examples/{p.name}" in linked for p in EXAMPLES)
 
 
 def test_every_doc_has_blocks_found():
