@@ -1,6 +1,7 @@
 """Every op the package registers in ``torch.ops.mla_inductor``: importing this module defines
 them all. Each op's schema, fake kernel, autograd and checks sit in its module of
-:mod:`mla_inductor.ops`; the library fragment, the layout tag and the list of ops the lowering
+:mod:`mla_inductor.ops` (the checks the sparse-MLA ops share with the indexer target in
+:mod:`mla_inductor.validation`); the library fragment, the layout tag and the list of ops the lowering
 registers are :mod:`mla_inductor.ops.registry`'s.
 
 - :mod:`mla_inductor.ops.sparse_mla`: ``sparse_mla`` (entry op), ``sparse_mla_fwd`` and its
@@ -10,7 +11,7 @@ registers are :mod:`mla_inductor.ops.registry`'s.
 - :mod:`mla_inductor.ops.indexer_kl`: ``indexer_kl`` and its autograd partner ``indexer_kl_bwd``.
 - :mod:`mla_inductor.ops.lightning_indexer`: ``lightning_indexer_entry`` (entry op) and
   ``lightning_indexer`` (its scores' backward is ``lightning_indexer_scores_bwd``).
-- :mod:`mla_inductor.ops.lightning_scores`: ``lightning_indexer_scores_entry`` (entry op),
+- :mod:`mla_inductor.ops.lightning_indexer_scores`: ``lightning_indexer_scores_entry`` (entry op),
   ``lightning_indexer_scores`` and its autograd partner ``lightning_indexer_scores_bwd``.
 
 An entry op (``CompositeImplicitAutograd``) takes the public layouts; Dynamo keeps it as one
@@ -20,8 +21,9 @@ own, ``head_matmul`` (:mod:`mla_inductor.integrations.transformers.head_matmul`)
 that integration is imported.
 """
 
-from .ops import indexer_kl, indexer_target, lightning_indexer, lightning_scores, sparse_mla
+from .ops import (indexer_kl, indexer_target, lightning_indexer, lightning_indexer_scores,
+                  sparse_mla)
 from .ops.registry import lowered_ops
 
-__all__ = ["indexer_kl", "indexer_target", "lightning_indexer", "lightning_scores", "sparse_mla",
-           "lowered_ops"]
+__all__ = ["indexer_kl", "indexer_target", "lightning_indexer", "lightning_indexer_scores",
+           "sparse_mla", "lowered_ops"]

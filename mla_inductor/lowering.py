@@ -5,7 +5,7 @@ What inductor does with our ops (torch 2.9 to 2.14):
   threshold policy runs), leaving ``sparse_mla_fwd`` / ``sparse_mla_bwd`` in the graphs (and
   likewise ``indexer_target_entry`` leaves ``indexer_target``,
   :mod:`mla_inductor.ops.indexer_target`, and ``lightning_indexer_scores_entry`` the scores op
-  and its backward, :mod:`mla_inductor.ops.lightning_scores`).
+  and its backward, :mod:`mla_inductor.ops.lightning_indexer_scores`).
 - These ops carry ``torch.Tag.needs_contiguous_strides`` (a public tag, set for every op by
   :mod:`mla_inductor.ops.registry`, which also lists them for this module): inductor then
   writes their tensor operands contiguously, fusing pointwise producers (a scale, a

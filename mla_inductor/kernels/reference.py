@@ -23,7 +23,7 @@ not included) and a gradient reaching lse (``dS_j = P_j (dP_j - dpsum + dlse)``,
 
 The lightning indexer's reference (scores and an exact top-k selection, chunked) is
 :mod:`mla_inductor.kernels.reference_lightning`; its scores at the selected slots and their
-gradients are in :mod:`mla_inductor.kernels.reference_lightning_scores`, the indexer loss's
+gradients are in :mod:`mla_inductor.kernels.reference_lightning_indexer_scores`, the indexer loss's
 per-row KL in :mod:`mla_inductor.kernels.reference_kl` (all exposed here).
 """
 
@@ -37,7 +37,7 @@ import torch
 from .determinism import deterministic_mode
 from .reference_lightning import lightning_indexer  # noqa: F401  (the protocol function)
 from .reference_kl import indexer_kl, indexer_kl_bwd  # noqa: F401  (protocol functions)
-from .reference_lightning_scores import (  # noqa: F401  (protocol functions of this backend)
+from .reference_lightning_indexer_scores import (  # noqa: F401  (protocol functions of this backend)
     lightning_indexer_scores,
     lightning_indexer_scores_bwd,
 )

@@ -33,7 +33,7 @@ from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 from mla_inductor.integrations import transformers as hf
 from mla_inductor.integrations.transformers import loss as loss_mod
 from mla_inductor.integrations.transformers.visibility import Visibility
-from mla_inductor.kernels import reference_lightning_scores
+from mla_inductor.kernels import reference_lightning_indexer_scores
 
 from conftest import rel_l2
 from test_transformers import TINY, _ids, _layer_kwargs
@@ -315,10 +315,10 @@ def test_the_logits_are_the_selections_scores_in_any_chunking(name, monkeypatch)
     assert calls == [((B, T, cfg.index_n_heads, cfg.index_head_dim), (B, T, cfg.index_head_dim),
                       (B, T, cfg.index_n_heads), (B, T, cfg.index_topk))] * layers
     rows = []
-    gather = reference_lightning_scores._gather
-    monkeypatch.setattr(reference_lightning_scores, "_gather",
+    gather = reference_lightning_indexer_scores._gather
+    monkeypatch.setattr(reference_lightning_indexer_scores, "_gather",
                         lambda k, r, *a: rows.append(r.shape[0]) or gather(k, r, *a))
-    monkeypatch.setattr(reference_lightning_scores, "_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(reference_lightning_indexer_scores, "_CHUNK_ELEMENTS", 1)
     many, many_grads = run()
     assert set(rows) == {1} and len(rows) == B * T * layers  # the backward's chunks
     assert many.item() == one.item()  # the forward does not depend on the backward's chunks

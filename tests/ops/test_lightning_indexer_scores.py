@@ -17,7 +17,7 @@ from conftest import fallback_warnings, rel_l2
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from mla_inductor import backends, lightning_indexer_scores, use_backend
-from mla_inductor.kernels import reference, reference_lightning_scores, sm90
+from mla_inductor.kernels import reference, reference_lightning_indexer_scores, sm90
 
 CUDA = torch.device("cuda", 0)
 
@@ -116,8 +116,8 @@ def test_a_batch_element_reads_only_its_own_keys():
 def test_reference_backward_is_the_derivative_of_its_forward():
     """Finite differences (torch.autograd.gradcheck, float64) of the reference's forward against
     its backward, called directly (the op itself takes bf16, fp16 and fp32)."""
-    fwd = reference_lightning_scores.lightning_indexer_scores
-    bwd = reference_lightning_scores.lightning_indexer_scores_bwd
+    fwd = reference_lightning_indexer_scores.lightning_indexer_scores
+    bwd = reference_lightning_indexer_scores.lightning_indexer_scores_bwd
 
     class Scores(torch.autograd.Function):
         @staticmethod
@@ -211,10 +211,10 @@ def test_the_reference_chunks_tokens_across_batch_elements(monkeypatch):
     dscores = torch.randn(idx.shape)
     one = _grads(lightning_indexer_scores, q, k, w, idx, dscores)
     rows = []
-    real = reference_lightning_scores._gather
-    monkeypatch.setattr(reference_lightning_scores, "_gather",
+    real = reference_lightning_indexer_scores._gather
+    monkeypatch.setattr(reference_lightning_indexer_scores, "_gather",
                         lambda k_, r, *a: rows.append(r.shape[0]) or real(k_, r, *a))
-    monkeypatch.setattr(reference_lightning_scores, "_CHUNK_ELEMENTS", 2 * 4 * (8 + 3))
+    monkeypatch.setattr(reference_lightning_indexer_scores, "_CHUNK_ELEMENTS", 2 * 4 * (8 + 3))
     many = _grads(lightning_indexer_scores, q, k, w, idx, dscores)
     assert max(rows) == 2 and sum(rows) == 2 * 10
     for a, b in zip(one, many):
@@ -382,9 +382,9 @@ def test_on_sm90_without_the_kernel_auto_warns_and_runs_the_reference(direction,
 
 
 def test_reference_backend_exposes_the_protocol_functions():
-    assert reference.lightning_indexer_scores is reference_lightning_scores.lightning_indexer_scores
+    assert reference.lightning_indexer_scores is reference_lightning_indexer_scores.lightning_indexer_scores
     assert (reference.lightning_indexer_scores_bwd
-            is reference_lightning_scores.lightning_indexer_scores_bwd)
+            is reference_lightning_indexer_scores.lightning_indexer_scores_bwd)
 
 
 @pytest.mark.cuda

@@ -1,4 +1,4 @@
-"""The lightning indexer's scores for Hopper (SM90a), written in CuTe DSL.
+"""The lightning indexer's scores of every key for Hopper (SM90a), written in CuTe DSL.
 
 Computes, for the flattened rows ``r = b * T + t`` of one chunk ``[r0, r1)`` and every key ``s``
 the row may see (the op :mod:`mla_inductor.ops.lightning_indexer`)::

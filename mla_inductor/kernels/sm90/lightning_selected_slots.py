@@ -1,5 +1,5 @@
 """The lightning indexer's scores at the selected slots, forward and backward, for Hopper (SM90a),
-written in CuTe DSL (the op :mod:`mla_inductor.ops.lightning_scores`; launchers in
+written in CuTe DSL (the op :mod:`mla_inductor.ops.lightning_indexer_scores`; launchers in
 :mod:`.lightning_selected_slots_host`).
 
 For the flattened rows ``r = b * T + t`` (``q [R, H, D]``, ``weights [R, H]`` float32,
