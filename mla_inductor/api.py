@@ -157,13 +157,13 @@ def sparse_mla(
     return (out, *extra) if extra else out
 
 
-def _sm_scale(q: Tensor, sm_scale) -> float:
+def _sm_scale(q: Tensor, sm_scale, op: str = "sparse_mla") -> float:
     """sm_scale as a Python float (``d_qk ** -0.5`` for None); refuses a tensor and a non-number.
     NaN and inf are refused by the op (:func:`mla_inductor.validation.check_sm_scale`), where the
     value is known under ``torch.compile`` too."""
     if sm_scale is None:
         return (q.shape[-1] if q.dim() else 1) ** -0.5
-    return _number("sm_scale", sm_scale)
+    return _number("sm_scale", sm_scale, op=op)
 
 
 def _flag(name: str, value, op: str = "sparse_mla") -> bool:
@@ -219,22 +219,24 @@ def indexer_target(
         on that row's valid slots.
 
     Raises:
-        RuntimeError (every message starts ``sparse_mla:``): the layout, shape, dtype and device
+        RuntimeError (every message starts ``indexer_target:``): the layout, shape, dtype and device
             checks of :func:`sparse_mla`, q without a head (``H = 0``), an lse that is not
             float32 ``[T, H]`` (``[B, T, H]``), sm_scale not a Python number; also at trace time
             under ``torch.compile``. On a CUDA device without a kernel for it (not Hopper, or
             beyond the sm90 kernel's limits) the target runs on the PyTorch reference, with a
             warning.
     """
+    op = "indexer_target"
     for name, t in (("q", q), ("kv", kv), ("indices", indices), ("lse", lse)):
-        _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _require(isinstance(t, Tensor), f"{name} must be a torch.Tensor, got {type(t).__name__}",
+                 op=op)
     for name, t in (("topk_length", topk_length), ("q_positions", q_positions),
                     ("attn_sink", attn_sink)):
         _require(t is None or isinstance(t, Tensor),
-                 f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+                 f"{name} must be a torch.Tensor or None, got {type(t).__name__}", op=op)
     return torch.ops.mla_inductor.indexer_target_entry(
-        q, kv, indices, lse, topk_length, q_positions, attn_sink, _flag("causal", causal),
-        _sm_scale(q, sm_scale),
+        q, kv, indices, lse, topk_length, q_positions, attn_sink, _flag("causal", causal, op=op),
+        _sm_scale(q, sm_scale, op=op),
     )
 
 

@@ -302,8 +302,8 @@ def _auto(device: torch.device, dtype: torch.dtype, direction: str, dims,
 
 def _op(direction: str) -> str:
     """The name an error of ``direction`` starts with: the op's."""
-    if direction == "lightning_indexer":
-        return "lightning_indexer"
+    if direction in ("lightning_indexer", "indexer_target"):
+        return direction
     if direction.startswith("lightning_indexer_scores"):
         return "lightning_indexer_scores"
     return "sparse_mla"

@@ -37,14 +37,14 @@ class Flat(NamedTuple):
     batch: Optional[tuple]
 
 
-def _squeeze_heads(t: Tensor, rank: int, what: str) -> Tensor:
+def _squeeze_heads(t: Tensor, rank: int, what: str, op: str) -> Tensor:
     """``[.., 1, D]`` -> ``[.., D]`` for kv and indices; any other rank passes through unchanged
     so that the checks report it."""
     if t.dim() != rank + 1:
         return t
     require(
         t.shape[-2] == 1,
-        lambda: f"sparse_mla: {what} must have a head dimension of 1 (MQA: one latent row and one "
+        lambda: f"{op}: {what} must have a head dimension of 1 (MQA: one latent row and one "
         f"index set per token, shared by all query heads), got shape {tuple(t.shape)}; a batched "
         "kv or indices needs a batched q [B, T, H, d_qk]",
     )
@@ -71,7 +71,8 @@ def _arange(n, like: Tensor, dtype: torch.dtype = torch.int64) -> Tensor:
     return DTensor.from_local(r, mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
-def token_positions(T, S, like: Tensor, q_positions: Optional[Tensor] = None) -> Tensor:
+def token_positions(T, S, like: Tensor, q_positions: Optional[Tensor] = None,
+                    op: str = "sparse_mla") -> Tensor:
     """Token positions ``[B, T]`` (batched) or ``[T]``, int64, on ``like``'s device (and mesh),
     clamped to ``[-1, S]`` (so that an int64 position cannot wrap in int32, and offsets cannot
     reach another batch element): the
@@ -86,13 +87,14 @@ def token_positions(T, S, like: Tensor, q_positions: Optional[Tensor] = None) ->
     require(
         not q_positions.is_floating_point() and not q_positions.is_complex()
         and dtype != torch.bool,
-        lambda: f"sparse_mla: q_positions must be an integer tensor (int32 or int64), got {dtype}",
+        lambda: f"{op}: q_positions must be an integer tensor (int32 or int64), got {dtype}",
     )
     return q_positions.to(torch.int64).clamp(-1, S)
 
 
 def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor],
-            causal: bool = False, q_positions: Optional[Tensor] = None) -> Flat:
+            causal: bool = False, q_positions: Optional[Tensor] = None,
+            op: str = "sparse_mla") -> Flat:
     """The canonical inputs of a call in any accepted layout (module docstring). int64 indices
     become int32 after their invalid slots are mapped to -1, and so do batched indices before
     their offsets; int32 indices of one batch element (or unbatched) pass unchanged, as every
@@ -104,26 +106,27 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
         RuntimeError: for a batched call whose layout does not match
             (:func:`mla_inductor.validation.check_batched_inputs`), a head dimension of kv or
             indices other than 1, or ``q_positions`` without ``causal`` or of a non-integer
-            dtype. Everything else is checked by the ops on the result.
+            dtype, the message starting with ``op`` (the public op's name). Everything else is
+            checked by the ops on the result.
     """
     require(
         causal or q_positions is None,
-        lambda: "sparse_mla: q_positions is only read with causal=True (it gives each token's "
+        lambda: f"{op}: q_positions is only read with causal=True (it gives each token's "
         "position for the causal mask); pass causal=True or drop q_positions",
     )
     batched = q.dim() == 4
     rank = 3 if batched else 2
-    kv = _squeeze_heads(kv, rank, "kv")
-    indices = _squeeze_heads(indices, rank, "indices")
+    kv = _squeeze_heads(kv, rank, "kv", op)
+    indices = _squeeze_heads(indices, rank, "indices", op)
     positions = None
     if causal and q.dim() == 3 and kv.dim() >= 1:
-        positions = token_positions(q.shape[0], kv.shape[0], q, q_positions)
+        positions = token_positions(q.shape[0], kv.shape[0], q, q_positions, op)
     batch = None
     if batched:
-        check_batched_inputs(q, kv, indices, topk_length)
+        check_batched_inputs(q, kv, indices, topk_length, op=op)
         B, T, S = q.shape[0], q.shape[1], kv.shape[1]
         if causal:  # S of a [B, S, 1, d_qk] kv is known after the squeeze and the checks
-            positions = token_positions(T, S, q, q_positions)
+            positions = token_positions(T, S, q, q_positions, op)
         if B != 1:
             offsets = (_arange(B, indices, indices.dtype) * S).view(B, 1, 1)
             valid = (indices >= 0) & (indices < S)
@@ -139,7 +142,7 @@ def flatten(q: Tensor, kv: Tensor, indices: Tensor, topk_length: Optional[Tensor
             require(
                 positions.dim() in (1, 2) and positions.shape[-1] == T
                 and (positions.dim() == 1 or positions.shape[0] == B),
-                lambda: f"sparse_mla: batched q_positions must be [B, T] = [{B}, {T}] or [T], "
+                lambda: f"{op}: batched q_positions must be [B, T] = [{B}, {T}] or [T], "
                 f"got shape {tuple(positions.shape)}",
             )
             offsets = _arange(B, positions).view(B, 1) * S

@@ -69,6 +69,8 @@ def check_forward_inputs(
     indices: torch.Tensor,
     topk_length: Optional[torch.Tensor],
     d_v: int,
+    *,
+    op: str = "sparse_mla",
 ) -> None:
     """Checks the canonical op inputs ``q [T, H, d_qk]``, ``kv [S, d_qk]``, ``indices [T, topk]``.
 
@@ -77,49 +79,67 @@ def check_forward_inputs(
             count that differs between q and indices, non-int32 indices, a bad ``topk_length``,
             an unsupported dtype, or tensors on different devices.
     """
-    _check(q.dim() == 3, f"q must be [T, H, d_qk] (or [B, T, H, d_qk]), got shape {tuple(q.shape)}")
-    _check(kv.dim() == 2, f"kv must be [S, d_qk] (or [S, 1, d_qk]), got shape {tuple(kv.shape)}")
-    _check(
+    check_for(
+        op,
+        q.dim() == 3,
+        f"q must be [T, H, d_qk] (or [B, T, H, d_qk]), got shape {tuple(q.shape)}",
+    )
+    check_for(
+        op,
+        kv.dim() == 2,
+        f"kv must be [S, d_qk] (or [S, 1, d_qk]), got shape {tuple(kv.shape)}",
+    )
+    check_for(
+        op,
         indices.dim() == 2,
         f"indices must be [T, topk] (or [T, 1, topk]), got shape {tuple(indices.shape)}",
     )
-    _check(
+    check_for(
+        op,
         q.dtype in SUPPORTED_DTYPES,
         f"q has unsupported dtype {q.dtype}; use bfloat16, float16 (or float32 on the reference path)",
     )
-    _check(kv.dtype == q.dtype, f"kv dtype {kv.dtype} differs from q dtype {q.dtype}")
-    _check(
+    check_for(op, kv.dtype == q.dtype, f"kv dtype {kv.dtype} differs from q dtype {q.dtype}")
+    check_for(
+        op,
         indices.dtype == torch.int32,
         f"indices must be an integer tensor: int32 (int64 is accepted by mla_inductor.sparse_mla), "
         f"got {indices.dtype}",
     )
-    _check(
+    check_for(
+        op,
         q.shape[-1] == kv.shape[-1],
         f"mismatched d_qk: q has {q.shape[-1]}, kv has {kv.shape[-1]}",
     )
-    _check(1 <= d_v, f"d_v must be >= 1, got {d_v}")
-    _check(
+    check_for(op, 1 <= d_v, f"d_v must be >= 1, got {d_v}")
+    check_for(
+        op,
         d_v <= q.shape[-1],
         f"d_v ({d_v}) must be <= d_qk ({q.shape[-1]}); d_v defaults to 512, pass d_v= for other widths",
     )
-    _check(
+    check_for(
+        op,
         indices.shape[0] == q.shape[0],
         f"token count mismatch: q has T={q.shape[0]}, indices has T={indices.shape[0]}",
     )
-    _check(
+    check_for(
+        op,
         kv.device == q.device and indices.device == q.device,
         f"tensors on different devices: q {q.device}, kv {kv.device}, indices {indices.device}",
     )
     if topk_length is not None:
-        _check(
+        check_for(
+            op,
             topk_length.dim() == 1 and topk_length.shape[0] == q.shape[0],
             f"topk_length must be [T] = [{q.shape[0]}], got shape {tuple(topk_length.shape)}",
         )
-        _check(
+        check_for(
+            op,
             topk_length.dtype == torch.int32,
             f"topk_length must be int32 (the sparse_mla API also takes int64), got {topk_length.dtype}",
         )
-        _check(
+        check_for(
+            op,
             topk_length.device == q.device,
             f"topk_length on {topk_length.device}, q on {q.device}",
         )
@@ -129,6 +149,8 @@ def check_features(
     q: torch.Tensor,
     q_positions: Optional[torch.Tensor],
     attn_sink: Optional[torch.Tensor],
+    *,
+    op: str = "sparse_mla",
 ) -> None:
     """Checks the canonical ``q_positions [T]`` int32 and ``attn_sink [H]`` float32 (each
     optional) against ``q [T, H, d_qk]``.
@@ -137,28 +159,44 @@ def check_features(
         RuntimeError: a wrong shape, dtype or device.
     """
     if q_positions is not None:
-        _check(
+        check_for(
+            op,
             q_positions.dim() == 1 and q_positions.shape[0] == q.shape[0],
             f"q_positions must be [T] = [{q.shape[0]}] (batched: [B, T]), got shape "
             f"{tuple(q_positions.shape)}",
         )
-        _check(
+        check_for(
+            op,
             q_positions.dtype == torch.int32,
             f"q_positions must be int32 (the sparse_mla API also takes int64), got "
             f"{q_positions.dtype}",
         )
-        _check(q_positions.device == q.device, f"q_positions on {q_positions.device}, q on {q.device}")
+        check_for(
+            op,
+            q_positions.device == q.device,
+            f"q_positions on {q_positions.device}, q on {q.device}",
+        )
     if attn_sink is not None:
-        _check(
+        check_for(
+            op,
             attn_sink.dim() == 1 and attn_sink.shape[0] == q.shape[1],
             f"attn_sink must be [H] = [{q.shape[1]}] (one logit per head), got shape "
             f"{tuple(attn_sink.shape)}",
         )
-        _check(attn_sink.dtype == torch.float32, f"attn_sink must be float32, got {attn_sink.dtype}")
-        _check(attn_sink.device == q.device, f"attn_sink on {attn_sink.device}, q on {q.device}")
+        check_for(
+            op,
+            attn_sink.dtype == torch.float32,
+            f"attn_sink must be float32, got {attn_sink.dtype}",
+        )
+        check_for(
+            op,
+            attn_sink.device == q.device,
+            f"attn_sink on {attn_sink.device}, q on {q.device}",
+        )
 
 
-def sink_in_float32(attn_sink: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def sink_in_float32(attn_sink: Optional[torch.Tensor], *,
+                    op: str = "sparse_mla") -> Optional[torch.Tensor]:
     """``attn_sink [H]`` as the float32 tensor the kernels take: the entry ops call it, so a sink
     in bfloat16 or float16 (the model's dtype) is accepted on every backend. The cast is
     differentiable, so ``d_sink`` reaches the caller in the sink's own dtype.
@@ -168,7 +206,8 @@ def sink_in_float32(attn_sink: Optional[torch.Tensor]) -> Optional[torch.Tensor]
     """
     if attn_sink is None:
         return None
-    _check(
+    check_for(
+        op,
         attn_sink.dtype in SINK_DTYPES,
         f"attn_sink must be float32, bfloat16 or float16 (the softmax runs in float32), got "
         f"{attn_sink.dtype}",
@@ -228,7 +267,7 @@ def check_dlse(dlse: Optional[torch.Tensor], lse: torch.Tensor) -> None:
         )
 
 
-def check_lse(lse: torch.Tensor, q: torch.Tensor) -> None:
+def check_lse(lse: torch.Tensor, q: torch.Tensor, *, op: str = "sparse_mla") -> None:
     """Checks an ``lse`` passed back in (the indexer target's): float32 ``[T, H]`` of
     ``q [T, H, d_qk]``, on q's device.
 
@@ -236,13 +275,14 @@ def check_lse(lse: torch.Tensor, q: torch.Tensor) -> None:
         RuntimeError: a wrong shape, dtype or device.
     """
     expected = (q.shape[0], q.shape[1])
-    _check(
+    check_for(
+        op,
         lse.dim() == 2 and lse.shape[0] == expected[0] and lse.shape[1] == expected[1],
         f"lse must be [T, H] = {expected} (batched: [B, T, H]), the lse sparse_mla returned for "
         f"the same inputs, got shape {tuple(lse.shape)}",
     )
-    _check(lse.dtype == torch.float32, f"lse must be float32, got {lse.dtype}")
-    _check(lse.device == q.device, f"lse on {lse.device}, q on {q.device}")
+    check_for(op, lse.dtype == torch.float32, f"lse must be float32, got {lse.dtype}")
+    check_for(op, lse.device == q.device, f"lse on {lse.device}, q on {q.device}")
 
 
 def check_rescale_threshold(rescale_threshold: float, dtype: torch.dtype) -> None:
@@ -261,7 +301,7 @@ def check_rescale_threshold(rescale_threshold: float, dtype: torch.dtype) -> Non
     )
 
 
-def check_sm_scale(sm_scale: float) -> None:
+def check_sm_scale(sm_scale: float, *, op: str = "sparse_mla") -> None:
     """Checks that ``sm_scale`` is finite (a NaN or infinite scale turns every score into NaN or
     +-inf). A symbolic value is not checked.
 
@@ -269,7 +309,7 @@ def check_sm_scale(sm_scale: float) -> None:
         RuntimeError: for NaN or +-inf.
     """
     if isinstance(sm_scale, float):
-        _check(math.isfinite(sm_scale), f"sm_scale must be finite, got {sm_scale}")
+        check_for(op, math.isfinite(sm_scale), f"sm_scale must be finite, got {sm_scale}")
 
 
 def check_batched_inputs(
@@ -277,6 +317,8 @@ def check_batched_inputs(
     kv: torch.Tensor,
     indices: torch.Tensor,
     topk_length: Optional[torch.Tensor],
+    *,
+    op: str = "sparse_mla",
 ) -> None:
     """Checks a batched call, ``q [B, T, H, d_qk]``, against ``kv [B, S, d_qk]``, ``indices
     [B, T, topk]`` (head dimensions of 1 already squeezed) and ``topk_length [B, T]``; the rest
@@ -285,32 +327,38 @@ def check_batched_inputs(
     Raises:
         RuntimeError: naming the expected layout and the sizes found.
     """
-    _check(
+    check_for(
+        op,
         kv.dim() == 3,
         f"batched kv must be [B, S, d_qk] or [B, S, 1, d_qk], got shape {tuple(kv.shape)}",
     )
-    _check(
+    check_for(
+        op,
         indices.dim() == 3,
         f"batched indices must be [B, T, topk] or [B, T, 1, topk], got shape "
         f"{tuple(indices.shape)}",
     )
-    _check(
+    check_for(
+        op,
         indices.dtype in INDEX_DTYPES,
         f"indices must be an integer tensor (int32 or int64), got {indices.dtype}",
     )
     B, T = q.shape[0], q.shape[1]
-    _check(
+    check_for(
+        op,
         kv.shape[0] == B and indices.shape[0] == B,
         f"batch size differs: q [B, T, H, d_qk] has B={B}, kv [B, S, d_qk] has "
         f"{kv.shape[0]}, indices [B, T, topk] has {indices.shape[0]}",
     )
-    _check(
+    check_for(
+        op,
         indices.shape[1] == T,
         f"token count mismatch: q [B, T, H, d_qk] has T={T}, indices [B, T, topk] has "
         f"T={indices.shape[1]}",
     )
     if topk_length is not None:
-        _check(
+        check_for(
+            op,
             topk_length.dim() == 2 and topk_length.shape[0] == B and topk_length.shape[1] == T,
             f"batched topk_length must be [B, T] = [{B}, {T}], got shape "
             f"{tuple(topk_length.shape)}",

@@ -33,13 +33,17 @@ from ..validation import (check_features, check_for, check_forward_inputs, check
                           check_sm_scale, require, sink_in_float32)
 
 
+OP = "indexer_target"  # the public name its errors start with
+
+
 def _check(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale) -> None:
-    check_forward_inputs(q, kv, indices, topk_length, 1)  # no values are read: any d_v >= 1
-    check_for("sparse_mla", q.shape[1] >= 1, f"the indexer target sums over at least one head, "
-              f"got q [T, H, d_qk] of shape {tuple(q.shape)}")
-    check_features(q, q_positions, attn_sink)
-    check_lse(lse, q)
-    check_sm_scale(sm_scale)
+    # no values are read: any d_v >= 1
+    check_forward_inputs(q, kv, indices, topk_length, 1, op=OP)
+    check_for(OP, q.shape[1] >= 1, f"the indexer target sums over at least one head, got q "
+              f"[T, H, d_qk] of shape {tuple(q.shape)}")
+    check_features(q, q_positions, attn_sink, op=OP)
+    check_lse(lse, q, op=OP)
+    check_sm_scale(sm_scale, op=OP)
 
 
 @custom_op("indexer_target")
@@ -98,19 +102,20 @@ def _(q, kv, indices, topk_length, q_positions, attn_sink, lse, sm_scale):
 # trace time, and leaves ``indexer_target`` in the graph.
 def _indexer_target_entry(q, kv, indices, lse, topk_length, q_positions, attn_sink, causal,
                           sm_scale):
-    flat = layout.flatten(q.detach(), kv.detach(), indices, topk_length, causal, q_positions)
+    flat = layout.flatten(q.detach(), kv.detach(), indices, topk_length, causal, q_positions,
+                          op=OP)
     lse = lse.detach()
     if flat.batch is not None:
         B, T = flat.batch
         require(
             lse.dim() == 3 and lse.shape[0] == B and lse.shape[1] == T,
-            lambda: f"sparse_mla: batched lse must be [B, T, H] = [{B}, {T}, H], got shape "
+            lambda: f"{OP}: batched lse must be [B, T, H] = [{B}, {T}, H], got shape "
             f"{tuple(lse.shape)}",
         )
         lse = lse.reshape(B * T, lse.shape[-1])
     target = indexer_target(
         flat.q, flat.kv, flat.indices, flat.topk_length, flat.q_positions,
-        None if attn_sink is None else sink_in_float32(attn_sink.detach()), lse, sm_scale,
+        None if attn_sink is None else sink_in_float32(attn_sink.detach(), op=OP), lse, sm_scale,
     )
     return target if flat.batch is None else target.view(*flat.batch, target.shape[-1])
 

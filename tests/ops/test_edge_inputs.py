@@ -362,8 +362,7 @@ FLAG_CALLS = {
 @pytest.mark.parametrize("call", list(FLAG_CALLS))
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_flag_given_as_a_tensor_is_refused(call, compiled):
-    name = call.split()[1]
-    op = "indexer_kl_loss" if call.startswith("indexer_kl_loss") else "sparse_mla"
+    op, name = call.split()
     fn = FLAG_CALLS[call]
     if compiled:
         fn = torch.compile(fn, backend="eager", fullgraph=True)
@@ -393,7 +392,8 @@ def test_a_non_finite_sm_scale_is_refused(call, value, compiled):
     fn = SCALE_CALLS[call]
     if compiled:
         fn = torch.compile(fn, backend="eager", fullgraph=True)
-    with pytest.raises(Exception, match=r"sparse_mla: sm_scale must be finite, got"):
+    op = "indexer_target" if call.startswith("indexer_target") else "sparse_mla"
+    with pytest.raises(Exception, match=rf"{op}: sm_scale must be finite, got"):
         fn(*_small(), value)
 
 

@@ -172,17 +172,17 @@ def test_opcheck():
 def test_errors_in_eager_and_at_trace_time():
     q, kv, idx = _inputs(6, 3, 12, 5, seed=7)
     bad = torch.zeros(6, 4)
-    with pytest.raises(RuntimeError, match=r"sparse_mla: lse must be \[T, H\] = \(6, 3\)"):
+    with pytest.raises(RuntimeError, match=r"indexer_target: lse must be \[T, H\] = \(6, 3\)"):
         indexer_target(q, kv, idx, bad)
     torch._dynamo.reset()
     compiled = torch.compile(indexer_target, backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match=r"sparse_mla: lse must be \[T, H\] = \(6, 3\)"):
+    with pytest.raises(Exception, match=r"indexer_target: lse must be \[T, H\] = \(6, 3\)"):
         compiled(q, kv, idx, bad)
-    with pytest.raises(RuntimeError, match="sparse_mla: lse must be float32"):
+    with pytest.raises(RuntimeError, match="indexer_target: lse must be float32"):
         indexer_target(q, kv, idx, bad[:, :3].double())
-    with pytest.raises(RuntimeError, match=r"sparse_mla: batched lse must be \[B, T, H\]"):
+    with pytest.raises(RuntimeError, match=r"indexer_target: batched lse must be \[B, T, H\]"):
         indexer_target(q[None], kv[None], idx[None], torch.zeros(6, 3))
-    headless = r"^sparse_mla: the indexer target sums over at least one head, got q .*\(6, 0, "
+    headless = r"^indexer_target: the indexer target sums over at least one head, got q .*\(6, 0, "
     with pytest.raises(RuntimeError, match=headless):
         indexer_target(q[:, :0], kv, idx, bad[:, :0])
     with pytest.raises(Exception, match=headless[1:]):

@@ -27,7 +27,7 @@ def tile_heads_for(num_heads: int) -> int:
         ValueError: outside 1..128 heads (a head count given to :func:`precompile_target`).
     """
     if not 1 <= num_heads <= TILE_HEADS[-1]:
-        raise ValueError(f"sparse_mla: the sm90 indexer target supports 1 to {TILE_HEADS[-1]} "
+        raise ValueError(f"indexer_target: the sm90 indexer target supports 1 to {TILE_HEADS[-1]} "
                          f"heads, got {num_heads}")
     return next(n for n in TILE_HEADS if num_heads <= n)
 

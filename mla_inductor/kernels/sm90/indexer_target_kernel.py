@@ -59,7 +59,7 @@ Design (decisions, in the order they were taken)
   (dtype, d_qk, tile_heads, has topk_length, has positions). Launched on torch's current stream
   through TVM-FFI.
 
-Measured (H200, 2026-12-01, ``python -m mla_inductor.bench indexer-target``: bf16, d_qk 576, topk 2048,
+Measured (H200, 2026-12-01, ``bench indexer-target``: bf16, d_qk 576, topk 2048,
 S = T, random indices, interleaved with our exact forward in the same run; ms of the target /
 of the forward):
 
@@ -110,9 +110,9 @@ class IndexerTargetSm90:
     def __init__(self, dtype, d_qk: int, tile_heads: int, has_topk_length: bool,
                  has_positions: bool):
         if dtype not in (BFloat16, Float16):
-            raise TypeError(f"sparse_mla: sm90 indexer target supports bf16/fp16, got {dtype}")
+            raise TypeError(f"indexer_target: sm90 supports bf16/fp16, got {dtype}")
         if d_qk not in D_QK or tile_heads not in TILE_HEADS:
-            raise ValueError(f"sparse_mla: sm90 indexer target needs d_qk in {D_QK} and a head "
+            raise ValueError(f"indexer_target: sm90 needs d_qk in {D_QK} and a head "
                              f"tile in {TILE_HEADS}, got {d_qk}, {tile_heads}")
         self.dtype = dtype
         self.d_qk = d_qk
