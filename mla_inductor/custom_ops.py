@@ -1,8 +1,8 @@
 """Every op the package registers in ``torch.ops.mla_inductor``: importing this module defines
 them all. Each op's schema, fake kernel, autograd and checks sit in its module of
 :mod:`mla_inductor.ops` (the checks the sparse-MLA ops share with the indexer target in
-:mod:`mla_inductor.validation`); the library fragment, the layout tag and the list of ops the lowering
-registers are :mod:`mla_inductor.ops.registry`'s.
+:mod:`mla_inductor.validation`); the library fragment, the layout tag and the list of ops the
+lowering registers are :mod:`mla_inductor.ops.registry`'s.
 
 - :mod:`mla_inductor.ops.sparse_mla`: ``sparse_mla`` (entry op), ``sparse_mla_fwd`` and its
   autograd partner ``sparse_mla_bwd``.

@@ -159,6 +159,16 @@ def assert_chunked_prefill_matches(model, ids, cache_config, bounds=((0, 21), (2
     assert rel_l2(out, ref) <= 1e-5
 
 
+def indexer_dtypes_seen(monkeypatch, module) -> list:
+    """Replaces ``module.lightning_indexer`` by a wrapper that records, per call, ``(q.dtype,
+    k.dtype, sorted keyword names)`` into the returned list before calling the op."""
+    calls, op = [], module.lightning_indexer
+    monkeypatch.setattr(module, "lightning_indexer",
+                        lambda q, k, *a, **kw: calls.append((q.dtype, k.dtype, sorted(kw))) or
+                        op(q, k, *a, **kw))
+    return calls
+
+
 def tokens_by_at_least(T: int, least: int, widths=frozenset()):
     """A ``keep`` for :class:`ReturnedShapes`: a shape with ``T`` in one size and at least
     ``least`` in another (a ``[T, S]`` mask or score tensor), other than ``widths`` (the

@@ -1,6 +1,6 @@
 """Sparse-MLA kernel backends: ``reference`` (PyTorch, any device; :mod:`.reference` with
-:mod:`.reference_lightning`, :mod:`.reference_lightning_indexer_scores`, :mod:`.reference_kl`), ``emulate``
-(the GPU kernels' online-softmax arithmetic in PyTorch), ``sm90`` (our Hopper CuTe DSL kernels),
+:mod:`.reference_lightning`, :mod:`.reference_lightning_indexer_scores`, :mod:`.reference_kl`),
+``emulate`` (the GPU kernels' online-softmax arithmetic in PyTorch), ``sm90`` (our Hopper CuTe DSL kernels),
 ``sm100`` (FlashAttention-4's Blackwell kernels), and what backends share: the compiled-kernel
 cache of the CuTe DSL kernels (:mod:`.cache`, :mod:`.sharedlib`) and PyTorch's deterministic mode
 for the PyTorch backends' accumulations (:mod:`.determinism`).

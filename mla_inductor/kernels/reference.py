@@ -37,7 +37,7 @@ import torch
 from .determinism import deterministic_mode
 from .reference_lightning import lightning_indexer  # noqa: F401  (the protocol function)
 from .reference_kl import indexer_kl, indexer_kl_bwd  # noqa: F401  (protocol functions)
-from .reference_lightning_indexer_scores import (  # noqa: F401  (protocol functions of this backend)
+from .reference_lightning_indexer_scores import (  # noqa: F401  (this backend's protocol functions)
     lightning_indexer_scores,
     lightning_indexer_scores_bwd,
 )

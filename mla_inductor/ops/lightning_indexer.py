@@ -21,8 +21,8 @@ float32. Per row: the ``min(topk, keys seen)`` seen keys of largest
 score, exact ties to the smaller key index, a NaN score above +inf (``-0.0`` ties ``+0.0``), in
 ascending key index, then -1 (an empty slot of :func:`mla_inductor.sparse_mla`); ``scores`` holds
 each slot's score, 0 on -1 slots. ``scores`` is differentiable in q, k and weights: its
-backward is ``lightning_indexer_scores_bwd`` at the selected indices (:mod:`.lightning_indexer_scores`:
-the same definition at the same slots), so that a training loss on the indexer's logits (the
+backward is ``lightning_indexer_scores_bwd`` at the selected indices
+(:mod:`.lightning_indexer_scores`: the same definition at the same slots), so that a training loss on the indexer's logits (the
 KL loss of DeepSeek-V3.2's sparse stage) needs no second scoring of its slots; the indices carry
 no gradient. With fp8 q and k the scores are differentiable in weights, q_scale and k_scale,
 not in the fp8 q and k (their gradient is None): the same backward on the float32 products
@@ -349,7 +349,8 @@ def _scaled(x: Tensor, scale: Optional[Tensor]) -> Tensor:
 def _backward(ctx, dindices, dscores):
     """The scores' gradients (module docstring); the mode of
     ``torch.use_deterministic_algorithms`` as the backward is traced picks the deterministic
-    variant, as for :func:`mla_inductor.ops.lightning_indexer_scores.lightning_indexer_scores_bwd`."""
+    variant, as for
+    :func:`mla_inductor.ops.lightning_indexer_scores.lightning_indexer_scores_bwd`."""
     del dindices  # integer outputs get no gradient
     q, k, weights, indices, q_scale, k_scale = ctx.saved_tensors
     deterministic = torch.are_deterministic_algorithms_enabled()

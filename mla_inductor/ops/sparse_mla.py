@@ -248,7 +248,7 @@ sparse_mla_fwd.register_autograd(_backward, setup_context=_setup_context)
 # The entry op. Its CompositeImplicitAutograd body runs in eager and while AOTAutograd traces,
 # which is where the threshold policy can see whether a backward graph exists. A given
 # rescale_threshold reaches sparse_mla_fwd unchanged, whose checks (its fake at trace time, its
-# body at run time) are the only ones.
+# body at run time) are the only ones on the op's path.
 def _sparse_mla(q, kv, indices, topk_length, q_positions, attn_sink, causal, sm_scale, d_v,
                 rescale_threshold, return_max_logits):
     check_no_func_transform()

@@ -16,8 +16,9 @@ from mla_inductor.integrations.transformers.visibility import Visibility
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from conftest import (ReturnedShapes, assert_chunked_prefill_matches,
-                      assert_compiled_matches_eager, assert_same_gradients, rel_l2,
-                      switched_and_back, switched_gradients, tokens_by_at_least)
+                      assert_compiled_matches_eager, assert_same_gradients,
+                      indexer_dtypes_seen, rel_l2, switched_and_back, switched_gradients,
+                      tokens_by_at_least)
 
 VOCAB = 128
 LAYER_TYPES = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
@@ -255,10 +256,7 @@ def test_indexer_precision_fp8(monkeypatch):
     layers have no indexer and are unchanged."""
     model = _model()
     ids = _ids(1, 70)
-    calls, op = [], deepseek_v4.lightning_indexer
-    monkeypatch.setattr(deepseek_v4, "lightning_indexer",
-                        lambda q, k, *a, **kw: calls.append((q.dtype, k.dtype, sorted(kw))) or
-                        op(q, k, *a, **kw))
+    calls = indexer_dtypes_seen(monkeypatch, deepseek_v4)
     with torch.no_grad():
         hf.apply(model)
         default = model(ids, use_cache=False).logits

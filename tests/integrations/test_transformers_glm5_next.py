@@ -21,8 +21,9 @@ from mla_inductor.integrations.transformers import glm5_next
 from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
 from conftest import (ReturnedShapes, assert_chunked_prefill_matches,
-                      assert_compiled_matches_eager, assert_same_gradients, rel_l2,
-                      switched_and_back, switched_gradients, tokens_by_at_least)
+                      assert_compiled_matches_eager, assert_same_gradients,
+                      indexer_dtypes_seen, rel_l2, switched_and_back, switched_gradients,
+                      tokens_by_at_least)
 
 VOCAB = 128
 LAYER_TYPES = ["linear_attention", "indexed_attention", "indexed_attention", "linear_attention",
@@ -306,10 +307,7 @@ def test_indexer_precision_fp8(monkeypatch):
     pooled keys with their per-row scales; the logits stay near the default selection's."""
     model = _model()
     ids = _ids(1, T)
-    calls, op = [], glm5_next.lightning_indexer
-    monkeypatch.setattr(glm5_next, "lightning_indexer",
-                        lambda q, k, *a, **kw: calls.append((q.dtype, k.dtype, sorted(kw))) or
-                        op(q, k, *a, **kw))
+    calls = indexer_dtypes_seen(monkeypatch, glm5_next)
     with torch.no_grad():
         hf.apply(model)
         default = model(ids, use_cache=False).logits
