@@ -5,7 +5,9 @@ same error appears at trace time under ``torch.compile`` (raised while the entry
 decomposition or a fake kernel runs on FakeTensors, which puts the message on the second line of
 Dynamo's error) and at run time (raised by the op body). The checks read only shapes, dtypes,
 devices and Python scalars, never tensor data, so they work on FakeTensors and symbolic sizes
-without specialising them.
+without specialising them. A check's keyword ``op`` (``"sparse_mla"`` by default;
+``"indexer_target"`` for the indexer target, which shares these checks) is the public name its
+messages start with.
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ def sink_in_float32(attn_sink: Optional[torch.Tensor], *,
     differentiable, so ``d_sink`` reaches the caller in the sink's own dtype.
 
     Raises:
-        RuntimeError: a sink of another dtype (``sparse_mla: attn_sink must be ...``).
+        RuntimeError: a sink of another dtype (``<op>: attn_sink must be ...``).
     """
     if attn_sink is None:
         return None
