@@ -30,6 +30,8 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # attn_sink may come in the model's dtype (a model cast with ``.to(torch.bfloat16)``); the entry
 # ops bring it to float32 (:func:`sink_in_float32`), in which the softmax runs.
 SINK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# what the int32 inputs' messages add: the public function converts int64 itself
+_TAKES_INT64 = " (the sparse_mla API also takes int64)"
 
 
 def require(cond, message: Callable[[], str]) -> None:
@@ -130,21 +132,8 @@ def check_forward_inputs(
         f"tensors on different devices: q {q.device}, kv {kv.device}, indices {indices.device}",
     )
     if topk_length is not None:
-        check_for(
-            op,
-            topk_length.dim() == 1 and topk_length.shape[0] == q.shape[0],
-            f"topk_length must be [T] = [{q.shape[0]}], got shape {tuple(topk_length.shape)}",
-        )
-        check_for(
-            op,
-            topk_length.dtype == torch.int32,
-            f"topk_length must be int32 (the sparse_mla API also takes int64), got {topk_length.dtype}",
-        )
-        check_for(
-            op,
-            topk_length.device == q.device,
-            f"topk_length on {topk_length.device}, q on {q.device}",
-        )
+        _check_vector(op, "topk_length", topk_length, q, q.shape[0], "[T]", torch.int32,
+                      _TAKES_INT64)
 
 
 def check_features(
@@ -161,40 +150,29 @@ def check_features(
         RuntimeError: a wrong shape, dtype or device.
     """
     if q_positions is not None:
-        check_for(
-            op,
-            q_positions.dim() == 1 and q_positions.shape[0] == q.shape[0],
-            f"q_positions must be [T] = [{q.shape[0]}] (batched: [B, T]), got shape "
-            f"{tuple(q_positions.shape)}",
-        )
-        check_for(
-            op,
-            q_positions.dtype == torch.int32,
-            f"q_positions must be int32 (the sparse_mla API also takes int64), got "
-            f"{q_positions.dtype}",
-        )
-        check_for(
-            op,
-            q_positions.device == q.device,
-            f"q_positions on {q_positions.device}, q on {q.device}",
-        )
+        _check_vector(op, "q_positions", q_positions, q, q.shape[0], "[T]", torch.int32,
+                      _TAKES_INT64, shape_note=" (batched: [B, T])")
     if attn_sink is not None:
-        check_for(
-            op,
-            attn_sink.dim() == 1 and attn_sink.shape[0] == q.shape[1],
-            f"attn_sink must be [H] = [{q.shape[1]}] (one logit per head), got shape "
-            f"{tuple(attn_sink.shape)}",
-        )
-        check_for(
-            op,
-            attn_sink.dtype == torch.float32,
-            f"attn_sink must be float32, got {attn_sink.dtype}",
-        )
-        check_for(
-            op,
-            attn_sink.device == q.device,
-            f"attn_sink on {attn_sink.device}, q on {q.device}",
-        )
+        _check_vector(op, "attn_sink", attn_sink, q, q.shape[1], "[H]", torch.float32,
+                      shape_note=" (one logit per head)")
+
+
+def _check_vector(op: str, name: str, t: torch.Tensor, q: torch.Tensor, length: int,
+                  layout: str, dtype: torch.dtype, dtype_note: str = "", *,
+                  shape_note: str = "") -> None:
+    """Checks an optional per-token or per-head input ``t`` of the canonical layout: ``[length]``
+    (``layout`` names it, ``shape_note`` follows), of ``dtype`` (``dtype_note`` follows its
+    name), on q's device, in that order.
+
+    Raises:
+        RuntimeError: ``"<op>: <name> ..."`` for the first of these that fails.
+    """
+    check_for(op, t.dim() == 1 and t.shape[0] == length,
+              f"{name} must be {layout} = [{length}]{shape_note}, got shape {tuple(t.shape)}")
+    check_for(op, t.dtype == dtype,
+              f"{name} must be {str(dtype).removeprefix('torch.')}{dtype_note}, got {t.dtype}")
+    check_for(op, t.device == q.device, f"{name} on {t.device}, q on {q.device}")
+
 
 
 def sink_in_float32(attn_sink: Optional[torch.Tensor], *,
