@@ -139,10 +139,15 @@ def test_indexer_matches_definition(positions):
 
 
 def test_indexer_without_q_scale_is_q_scale_one():
+    """The op resolves ``q_scale=None`` to ones (the kernel always takes a scale): on the kernel,
+    bitwise the selection and scores of explicit ones, and the definition's."""
     q8, k8, w, pos, (_, ks) = _inputs(1, 500, 700, 40, "bottom_right", seed=7)
     ones = torch.ones(q8.shape[:3], device="cuda")
-    got = sm90.lightning_indexer(q8, k8, w, pos, 64, k_scale=ks)
-    want = sm90.lightning_indexer(q8, k8, w, pos, 64, q_scale=ones, k_scale=ks)
+    with use_backend("sm90"):
+        got = lightning_indexer(q8, k8, w, 64, causal=True, q_positions=pos, return_scores=True,
+                                k_scale=ks)
+        want = lightning_indexer(q8, k8, w, 64, causal=True, q_positions=pos,
+                                 return_scores=True, q_scale=ones, k_scale=ks)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     _check_selection(q8, k8, w, pos, 64, *got, scales=(None, ks))
 
