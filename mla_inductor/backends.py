@@ -147,12 +147,12 @@ class Backend(Protocol):
                                  indices: Tensor) -> Tensor:
         """The lightning indexer's scores at the selected slots
         (:mod:`mla_inductor.ops.lightning_indexer_scores`): ``q [B, T, H, D]`` (bf16/fp16; fp32
-        on the reference path), ``k [B, S, D]`` q's dtype, ``weights [B, T, H]`` float32, ``indices [B,
-        T, topk]`` int32 local to each batch element (any value < 0 or >= S is an empty slot,
-        never read), all contiguous. Returns contiguous ``scores [B, T, topk]`` float32, ``sum_h
-        weights[b, t, h] * relu(q[b, t, h] . k[b, indices[b, t, j]])`` with fp32 products and
-        accumulation, exactly 0 on empty slots. Dispatched as ``"lightning_indexer_scores"`` with
-        dims ``(T, H, S, D, 0, frozenset())``."""
+        on the reference path), ``k [B, S, D]`` q's dtype, ``weights [B, T, H]`` float32,
+        ``indices [B, T, topk]`` int32 local to each batch element (any value < 0 or >= S is an
+        empty slot, never read), all contiguous. Returns contiguous ``scores [B, T, topk]``
+        float32, ``sum_h weights[b, t, h] * relu(q[b, t, h] . k[b, indices[b, t, j]])`` with fp32
+        products and accumulation, exactly 0 on empty slots. Dispatched as
+        ``"lightning_indexer_scores"`` with dims ``(T, H, S, D, 0, frozenset())``."""
 
     def lightning_indexer_scores_bwd(self, dscores: Tensor, q: Tensor, k: Tensor, weights: Tensor,
                                      indices: Tensor, deterministic: bool = False

@@ -174,7 +174,6 @@ def _check_vector(op: str, name: str, t: torch.Tensor, q: torch.Tensor, length: 
     check_for(op, t.device == q.device, f"{name} on {t.device}, q on {q.device}")
 
 
-
 def sink_in_float32(attn_sink: Optional[torch.Tensor], *,
                     op: str = "sparse_mla") -> Optional[torch.Tensor]:
     """``attn_sink [H]`` as the float32 tensor the kernels take: the entry ops call it, so a sink

@@ -22,13 +22,13 @@ score, exact ties to the smaller key index, a NaN score above +inf (``-0.0`` tie
 ascending key index, then -1 (an empty slot of :func:`mla_inductor.sparse_mla`); ``scores`` holds
 each slot's score, 0 on -1 slots. ``scores`` is differentiable in q, k and weights: its
 backward is ``lightning_indexer_scores_bwd`` at the selected indices
-(:mod:`.lightning_indexer_scores`: the same definition at the same slots), so that a training loss on the indexer's logits (the
-KL loss of DeepSeek-V3.2's sparse stage) needs no second scoring of its slots; the indices carry
-no gradient. With fp8 q and k the scores are differentiable in weights, q_scale and k_scale,
-not in the fp8 q and k (their gradient is None): the same backward on the float32 products
-``q_scale * q`` and ``k_scale * k`` (``[B, T, H, D]`` and ``[B, S, D]`` float32 temporaries),
-then ``dq_scale[t, h] = sum_d dq[t, h, d] q[t, h, d]`` and ``dk_scale[s] = sum_d dk[s, d]
-k[s, d]``.
+(:mod:`.lightning_indexer_scores`: the same definition at the same slots), so that a training
+loss on the indexer's logits (the KL loss of DeepSeek-V3.2's sparse stage) needs no second
+scoring of its slots; the indices carry no gradient. With fp8 q and k the scores are
+differentiable in weights, q_scale and k_scale, not in the fp8 q and k (their gradient is None):
+the same backward on the float32 products ``q_scale * q`` and ``k_scale * k`` (``[B, T, H, D]``
+and ``[B, S, D]`` float32 temporaries), then ``dq_scale[t, h] = sum_d dq[t, h, d] q[t, h, d]``
+and ``dk_scale[s] = sum_d dk[s, d] k[s, d]``.
 
 Its entry op ``lightning_indexer_entry(q, k, weights, q_positions, causal, topk, q_scale=None,
 k_scale=None)`` takes the layouts of :func:`mla_inductor.lightning_indexer` (flat ``q [T, H,

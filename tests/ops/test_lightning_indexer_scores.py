@@ -382,7 +382,8 @@ def test_on_sm90_without_the_kernel_auto_warns_and_runs_the_reference(direction,
 
 
 def test_reference_backend_exposes_the_protocol_functions():
-    assert reference.lightning_indexer_scores is reference_lightning_indexer_scores.lightning_indexer_scores
+    assert (reference.lightning_indexer_scores
+            is reference_lightning_indexer_scores.lightning_indexer_scores)
     assert (reference.lightning_indexer_scores_bwd
             is reference_lightning_indexer_scores.lightning_indexer_scores_bwd)
 

@@ -8,9 +8,9 @@ launch) in :mod:`.fwd_host`, :mod:`.bwd_host`, :mod:`.indexer_target_host`,
 cached. Over long kv the backward first sorts each row's slots (:mod:`.rowsort`, launched by
 :mod:`.rowsort_host`). The lightning indexer's scores and its top-k select (:mod:`.topk`,
 launched by :mod:`.topk_host`) are composed in :mod:`.lightning_indexer_host`. Its scores at
-the selected slots (the op ``lightning_indexer_scores``), forward and backward, are in :mod:`.lightning_selected_slots`,
-launched by :mod:`.lightning_selected_slots_host`; the indexer loss's per-row KL and its gradient
-in :mod:`.kl`, launched by :mod:`.kl_host`."""
+the selected slots (the op ``lightning_indexer_scores``), forward and backward, are in
+:mod:`.lightning_selected_slots`, launched by :mod:`.lightning_selected_slots_host`; the indexer
+loss's per-row KL and its gradient in :mod:`.kl`, launched by :mod:`.kl_host`."""
 
 from __future__ import annotations
 

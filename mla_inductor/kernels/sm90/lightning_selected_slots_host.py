@@ -69,8 +69,8 @@ def _assert_limits(q: torch.Tensor) -> None:
     """Asserts the kernels' own limits on ``q [B, T, H, D]``, which the backend's selection
     ensured (:func:`mla_inductor.kernels.sm90.supports`; the op checked the inputs,
     :func:`mla_inductor.ops.lightning_indexer_scores.check_inputs`): a CUDA tensor, bf16/fp16,
-    D = 128, 1 to 64 index heads, at most 2**31 - 1 rows ``B T`` (one CTA each; 2**31 rows of q alone
-    would take 512 GiB)."""
+    D = 128, 1 to 64 index heads, at most 2**31 - 1 rows ``B T`` (one CTA each; 2**31 rows of q
+    alone would take 512 GiB)."""
     B, T, H, d = q.shape
     assert q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
     assert d == D and 1 <= H <= MAX_HEADS

@@ -306,7 +306,8 @@ def test_indexer_target_head_tiles(heads, tile):
 def test_indexer_target_refuses():
     from cutlass import BFloat16, Float32
 
-    with pytest.raises(ValueError, match="indexer_target: the sm90 indexer target supports 1 to 128"):
+    with pytest.raises(ValueError,
+                       match="indexer_target: the sm90 indexer target supports 1 to 128"):
         indexer_target_host.tile_heads_for(129)
     with pytest.raises(ValueError, match="d_qk in"):
         indexer_target_kernel.IndexerTargetSm90(BFloat16, 256, 128, False, False)

@@ -184,8 +184,8 @@ def test_more_heads_than_the_kernel_takes():
     q, kv, indices = _inputs(T=2, H=129, S=64, topk=64)
     lse = torch.zeros(2, 129, device="cuda")
     with mla_inductor.use_backend("sm90"), pytest.raises(
-            RuntimeError, match="^indexer_target: mla_inductor backend 'sm90' cannot run here: sm90 "
-                                "indexer target supports at most 128 heads, got 129"):
+            RuntimeError, match="^indexer_target: mla_inductor backend 'sm90' cannot run here: "
+                                "sm90 indexer target supports at most 128 heads, got 129"):
         mla_inductor.indexer_target(q, kv, indices, lse)
 
 
